@@ -1,0 +1,7 @@
+"""`python -m objcache` runs the CLI."""
+
+from __future__ import annotations
+
+from objcache.cli import main
+
+raise SystemExit(main())

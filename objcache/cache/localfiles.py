@@ -1,0 +1,347 @@
+"""The write-back store: local data files for new and modified files, and their journal.
+
+A written file lives in local/<fid> until the flusher has uploaded it. A file modified in
+place keeps a reference to the S3 version it started from (its base); chunks the writer
+never touched are read from that version through the chunk cache, so opening a 10 GiB
+object to change one byte does not download 10 GiB. Every state change that a restart
+needs (creation, first change, chunk materialization, truncate, close, upload) is committed
+to the state database before the FUSE call returns, so `kill -9` loses no closed file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat as stat_mod
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from objcache.cache.statedb import StateDB
+from objcache.errors import NoSpace
+
+if TYPE_CHECKING:
+    from objcache.cache.chunks import ChunkCache
+
+log = logging.getLogger(__name__)
+
+
+def _pack(chunks: set[int]) -> bytes:
+    if not chunks:
+        return b""
+    bits = bytearray((max(chunks) >> 3) + 1)
+    for i in chunks:
+        bits[i >> 3] |= 1 << (i & 7)
+    return bytes(bits)
+
+
+def _unpack(blob: bytes) -> set[int]:
+    return {i * 8 + b for i, byte in enumerate(blob) for b in range(8) if byte >> b & 1}
+
+
+class LocalFile:
+    """Attributes:
+    version: bumped by every change; an upload clears `dirty` only if it is unchanged.
+    writers: open handles that may write; the flusher waits until there are none.
+    lock: held while uploading, renaming or removing, so these never interleave.
+    """
+
+    __slots__ = ("fid", "key", "path", "base_key", "base_etag", "base_size", "base_limit",
+                 "materialized", "size", "mode", "uid", "gid", "mtime_ns", "dirty",
+                 "dirty_since", "etag", "version", "writers", "opens", "lock", "fd",
+                 "last_change", "removed", "charged", "urgent")
+
+    def __init__(self, fid: int, key: str, path: str) -> None:
+        self.fid = fid
+        self.key = key
+        self.path = path
+        self.base_key: str | None = None
+        self.base_etag: str | None = None
+        self.base_size = 0
+        self.base_limit = 0
+        self.materialized: set[int] = set()
+        self.size = 0
+        self.mode = stat_mod.S_IFREG | 0o644
+        self.uid = 0
+        self.gid = 0
+        self.mtime_ns = 0
+        self.dirty = False
+        self.dirty_since: float | None = None
+        self.etag: str | None = None
+        self.version = 0
+        self.writers = 0
+        self.opens = 0
+        self.lock = trio.Lock()
+        self.fd = -1
+        self.last_change = 0.0
+        self.removed = False
+        self.charged = 0
+        self.urgent = False
+
+
+class LocalFiles:
+    def __init__(self, db: StateDB, root: Path, chunks: ChunkCache) -> None:
+        self.db = db
+        self.root = root / "local"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.chunks = chunks
+        self.cs = chunks.chunk_size
+        self.by_key: dict[str, LocalFile] = {}
+        self.changed = trio.Event()  # set when a file becomes dirty or closes (wakes flusher)
+        chunks.evict_local = self.evict_one
+        self._load()
+
+    # -- journal --------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        rows = self.db.execute(
+            "SELECT fid, key, base_key, base_etag, base_size, base_limit, materialized, size, "
+            "mode, uid, gid, mtime_ns, dirty, dirty_since, etag FROM files").fetchall()
+        known = set()
+        for (fid, key, bkey, betag, bsize, blimit, mat, _size, mode, uid, gid, mtime_ns, dirty,
+             dirty_since, etag) in rows:
+            lf = LocalFile(fid, key, str(self.root / str(fid)))
+            try:
+                # The data file is the truth for the size: writes after the last journal
+                # update (an unclosed file at a crash) are in it too.
+                lf.size = os.stat(lf.path).st_size
+            except FileNotFoundError:
+                if dirty:
+                    log.error("local data of dirty file %r is missing from the cache dir", key)
+                self.db.execute("DELETE FROM files WHERE fid=?", (fid,))
+                continue
+            lf.base_key, lf.base_etag, lf.base_size, lf.base_limit = bkey, betag, bsize, blimit
+            lf.materialized = _unpack(mat)
+            lf.mode, lf.uid, lf.gid, lf.mtime_ns = mode, uid, gid, mtime_ns
+            lf.dirty, lf.dirty_since, lf.etag = bool(dirty), dirty_since, etag
+            lf.version = 1 if dirty else 0
+            lf.charged = lf.size
+            self.chunks.local_bytes += lf.size
+            self.by_key[key] = lf
+            known.add(str(fid))
+        for f in self.root.iterdir():
+            if f.name not in known:
+                f.unlink()
+        n = sum(1 for lf in self.by_key.values() if lf.dirty)
+        if n:
+            log.info("recovered %d dirty files from the journal", n)
+
+    def _save(self, lf: LocalFile) -> None:
+        self.db.execute(
+            "UPDATE files SET key=?, base_key=?, base_etag=?, base_size=?, base_limit=?, "
+            "materialized=?, size=?, mode=?, uid=?, gid=?, mtime_ns=?, dirty=?, dirty_since=?, "
+            "etag=? WHERE fid=?",
+            (lf.key, lf.base_key, lf.base_etag, lf.base_size, lf.base_limit,
+             _pack(lf.materialized), lf.size, lf.mode, lf.uid, lf.gid, lf.mtime_ns,
+             int(lf.dirty), lf.dirty_since, lf.etag, lf.fid))
+
+    def create(self, key: str, mode: int, uid: int, gid: int, mtime_ns: int,
+               base: tuple[str, str, int] | None = None, etag: str | None = None) -> LocalFile:
+        """A new local file: empty, or standing in for the S3 version `base` (key, etag,
+        size) without copying its bytes yet."""
+        cur = self.db.execute(
+            "INSERT INTO files (key, base_key, base_etag, base_size, base_limit, materialized, "
+            "size, mode, uid, gid, mtime_ns, dirty, dirty_since, etag) "
+            "VALUES (?, NULL, NULL, 0, 0, x'', 0, ?, ?, ?, ?, 0, NULL, ?)",
+            (key, mode, uid, gid, mtime_ns, etag))
+        fid = int(cur.lastrowid or 0)
+        lf = LocalFile(fid, key, str(self.root / str(fid)))
+        lf.mode, lf.uid, lf.gid, lf.mtime_ns, lf.etag = mode, uid, gid, mtime_ns, etag
+        fd = os.open(lf.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        if base is not None:
+            lf.base_key, lf.base_etag, lf.base_size = base
+            lf.base_limit = lf.size = base[2]
+            os.ftruncate(fd, lf.size)
+            if not self.chunks.make_room(lf.size):
+                os.close(fd)
+                os.unlink(lf.path)
+                self.db.execute("DELETE FROM files WHERE fid=?", (fid,))
+                raise NoSpace(key)
+            lf.charged = lf.size
+            self.chunks.local_bytes += lf.size
+        lf.fd = fd
+        self._save(lf)
+        self.by_key[key] = lf
+        return lf
+
+    def _fd(self, lf: LocalFile) -> int:
+        if lf.fd < 0:
+            lf.fd = os.open(lf.path, os.O_RDWR)
+        return lf.fd
+
+    def mark_dirty(self, lf: LocalFile) -> None:
+        lf.version += 1
+        lf.last_change = time.monotonic()
+        if not lf.dirty:
+            lf.dirty = True
+            lf.dirty_since = time.time()
+            self._save(lf)
+
+    def _charge(self, lf: LocalFile, new_size: int) -> None:
+        grow = new_size - lf.charged
+        if grow > 0:
+            if not self.chunks.make_room(grow):
+                raise NoSpace(lf.key)
+            lf.charged += grow
+            self.chunks.local_bytes += grow
+
+    # -- data -----------------------------------------------------------------------------
+
+    async def _materialize(self, lf: LocalFile, idx: int) -> None:
+        """Copy chunk `idx` of the base version into the local file before it is changed."""
+        if idx in lf.materialized or idx * self.cs >= lf.base_limit:
+            return
+        assert lf.base_key is not None and lf.base_etag is not None
+        start = idx * self.cs
+        n = min(self.cs, lf.base_limit - start)
+        data = await self.chunks.read(lf.base_key, lf.base_etag, lf.base_size, start, n)
+        if idx in lf.materialized or lf.removed:  # another writer got here first
+            return
+        os.pwrite(self._fd(lf), data, start)
+        lf.materialized.add(idx)
+        self._save(lf)
+
+    async def materialize_all(self, lf: LocalFile) -> None:
+        for idx in range((lf.base_limit + self.cs - 1) // self.cs):
+            await self._materialize(lf, idx)
+
+    def fully_local(self, lf: LocalFile) -> bool:
+        return all(i in lf.materialized for i in range((lf.base_limit + self.cs - 1) // self.cs))
+
+    async def write(self, lf: LocalFile, offset: int, data: bytes) -> int:
+        end = offset + len(data)
+        if lf.base_limit:
+            for idx in range(offset // self.cs, (min(end, lf.base_limit) - 1) // self.cs + 1):
+                await self._materialize(lf, idx)
+        self._charge(lf, max(end, lf.size))
+        n = os.pwrite(self._fd(lf), data, offset)
+        if end > lf.size:
+            lf.size = end
+        lf.mtime_ns = time.time_ns()
+        self.mark_dirty(lf)
+        return n
+
+    async def truncate(self, lf: LocalFile, size: int) -> None:
+        if size < lf.base_limit:
+            if size % self.cs:
+                await self._materialize(lf, size // self.cs)
+            lf.base_limit = size
+        self._charge(lf, size)
+        os.ftruncate(self._fd(lf), size)
+        lf.size = size
+        lf.mtime_ns = time.time_ns()
+        self.mark_dirty(lf)
+        self._save(lf)
+
+    async def read(self, lf: LocalFile, offset: int, length: int) -> bytes:
+        end = min(offset + length, lf.size)
+        if offset >= end:
+            return b""
+        if not lf.base_limit or offset >= lf.base_limit:
+            return os.pread(self._fd(lf), end - offset, offset)
+        parts: list[bytes] = []
+        while offset < end:
+            idx = offset // self.cs
+            stop = min(end, (idx + 1) * self.cs)
+            if idx in lf.materialized or offset >= lf.base_limit:
+                parts.append(os.pread(self._fd(lf), stop - offset, offset))
+            else:
+                from_base = min(stop, lf.base_limit)
+                assert lf.base_key is not None and lf.base_etag is not None
+                parts.append(await self.chunks.read(lf.base_key, lf.base_etag, lf.base_size,
+                                                    offset, from_base - offset))
+                if stop > from_base:  # past a truncation point inside this chunk: zeros
+                    parts.append(bytes(stop - from_base))
+            offset = stop
+        return b"".join(parts)
+
+    def save(self, lf: LocalFile) -> None:
+        """Journal size and attributes (close, chmod, ...)."""
+        if not lf.removed:
+            self._save(lf)
+
+    def fsync_data(self, lf: LocalFile) -> None:
+        if lf.fd >= 0:
+            os.fsync(lf.fd)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def mark_clean(self, lf: LocalFile, etag: str) -> None:
+        """The S3 object `lf.key` now holds exactly this content."""
+        lf.dirty = False
+        lf.dirty_since = None
+        lf.urgent = False
+        lf.etag = etag
+        # The uploader materialized every base chunk first, so the local file is complete
+        # and no longer needs the base version (which the upload may have overwritten).
+        lf.base_key, lf.base_etag, lf.base_size, lf.base_limit = None, None, 0, 0
+        lf.materialized = set()
+        self._save(lf)
+
+    def rekey(self, lf: LocalFile, new_key: str) -> None:
+        del self.by_key[lf.key]
+        lf.key = new_key
+        self.by_key[new_key] = lf
+        self._save(lf)
+
+    def remove(self, lf: LocalFile) -> None:
+        """Forget the file; its data goes once no handle has it open."""
+        if lf.removed:
+            return
+        lf.removed = True
+        if self.by_key.get(lf.key) is lf:
+            del self.by_key[lf.key]
+        self.db.execute("DELETE FROM files WHERE fid=?", (lf.fid,))
+        if lf.opens == 0:
+            self._drop_data(lf)
+
+    def _drop_data(self, lf: LocalFile) -> None:
+        if lf.fd >= 0:
+            os.close(lf.fd)
+            lf.fd = -1
+        try:
+            os.unlink(lf.path)
+        except FileNotFoundError:
+            pass
+        self.chunks.local_bytes -= lf.charged
+        lf.charged = 0
+
+    def opened(self, lf: LocalFile, writable: bool) -> None:
+        lf.opens += 1
+        if writable:
+            lf.writers += 1
+
+    def closed(self, lf: LocalFile, writable: bool) -> None:
+        lf.opens -= 1
+        if writable:
+            lf.writers -= 1
+        if lf.opens == 0:
+            if lf.removed:
+                self._drop_data(lf)
+            elif lf.fd >= 0:
+                os.close(lf.fd)
+                lf.fd = -1
+        self.changed.set()
+
+    def evict_one(self) -> int:
+        """Drop the least recently changed clean local file nobody has open."""
+        victims = [lf for lf in self.by_key.values()
+                   if not lf.dirty and lf.opens == 0 and not lf.lock.locked()]
+        if not victims:
+            return 0
+        lf = min(victims, key=lambda f: f.last_change)
+        freed = lf.charged
+        self.remove(lf)
+        return freed
+
+    def dirty_files(self) -> Iterator[LocalFile]:
+        return (lf for lf in self.by_key.values() if lf.dirty)
+
+    def close(self) -> None:
+        for lf in self.by_key.values():
+            if lf.fd >= 0:
+                os.close(lf.fd)
+                lf.fd = -1

@@ -1,0 +1,76 @@
+"""The cache directory's SQLite database: the chunk index and the write-back journal.
+
+It is what lets a restarted daemon keep its cache and its dirty files. WAL mode with
+synchronous=NORMAL makes every commit survive a `kill -9` of the daemon (the OS still has
+the pages); the calls are short and made from the trio thread on purpose, so that a run
+of statements between two awaits is atomic (as in S3QL).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- One row per cached chunk of a clean object version: (key, etag, idx) names its bytes.
+CREATE TABLE IF NOT EXISTS chunks (
+    id INTEGER PRIMARY KEY,
+    key TEXT NOT NULL,
+    etag TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    size INTEGER NOT NULL,
+    atime REAL NOT NULL,
+    UNIQUE (key, etag, idx)
+);
+-- One row per file whose data lives in a local file under local/ (new or modified files).
+-- A file may be based on an S3 object version (base_key, base_etag): bytes below base_limit
+-- in chunks not listed in `materialized` are still read from that version.
+CREATE TABLE IF NOT EXISTS files (
+    fid INTEGER PRIMARY KEY,
+    key TEXT NOT NULL UNIQUE,
+    base_key TEXT,
+    base_etag TEXT,
+    base_size INTEGER NOT NULL,
+    base_limit INTEGER NOT NULL,
+    materialized BLOB NOT NULL,
+    size INTEGER NOT NULL,
+    mode INTEGER NOT NULL,
+    uid INTEGER NOT NULL,
+    gid INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    dirty INTEGER NOT NULL,        -- 1 while the S3 object is not this file's content
+    dirty_since REAL,              -- wall-clock time of the first unuploaded change
+    etag TEXT                      -- the S3 ETag when clean
+);
+"""
+
+
+class StateDB:
+    def __init__(self, path: Path) -> None:
+        self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self.conn.executescript(_SCHEMA)
+        row = self.conn.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
+        if row is None:
+            self.conn.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+
+    def get_meta(self, name: str) -> str | None:
+        row = self.conn.execute("SELECT value FROM meta WHERE name=?", (name,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, name: str, value: str) -> None:
+        self.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (name, value))
+
+    def execute(self, sql: str, args: tuple[object, ...] = ()) -> sqlite3.Cursor:
+        return self.conn.execute(sql, args)
+
+    def executemany(self, sql: str, rows: list[tuple[object, ...]]) -> None:
+        with self.conn:
+            self.conn.executemany(sql, rows)
+
+    def close(self) -> None:
+        self.conn.close()

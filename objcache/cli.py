@@ -1,0 +1,217 @@
+"""The `objcache` command: mount, umount, flush, status.
+
+Errors are one line on stderr and a non-zero exit. `mount` without --foreground starts the
+daemon as a detached child and returns once the mount is ready (or prints why it is not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from objcache import __version__, control
+from objcache.config import MountConfig, load_config_file, parse_source, set_option
+from objcache.errors import UserError
+
+_MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--endpoint-url", {"metavar": "URL", "help": "S3 endpoint (default: boto3's own "
+                        "resolution, e.g. AWS_ENDPOINT_URL)"}),
+    ("--region", {"help": "S3 region (default: boto3's own resolution)"}),
+    ("--cache-dir", {"metavar": "DIR", "help": "where chunks and dirty files live"}),
+    ("--cache-size", {"metavar": "SIZE", "help": "cache capacity, e.g. 100G (default 10G)"}),
+    ("--chunk-size", {"metavar": "SIZE", "help": "chunk size, >= 5M (default 16M)"}),
+    ("--writeback-delay", {"metavar": "SECONDS",
+                           "help": "upload a closed file this long after its last change "
+                           "(default 5)"}),
+    ("--metadata-ttl", {"metavar": "SECONDS",
+                        "help": "revalidate S3 metadata after this long (default 30)"}),
+    ("--readahead", {"metavar": "SIZE", "help": "sequential readahead window (default 64M)"}),
+    ("--s3-concurrency", {"metavar": "N", "type": int,
+                          "help": "parallel S3 transfers (default 8)"}),
+    ("--log-level", {"metavar": "LEVEL", "help": "debug, info, warning or error"}),
+    ("--log-file", {"metavar": "FILE", "help": "log here (default: stderr in the "
+                    "foreground, CACHE_DIR/objcache.log otherwise)"}),
+]
+_MOUNT_SWITCHES = ["--foreground", "--read-only", "--allow-other"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="objcache", description="Cache an S3 bucket on local "
+                                "NVMe and mount it as a POSIX directory.")
+    p.add_argument("--version", action="version", version=f"objcache {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("mount", help="mount s3://BUCKET[/PREFIX] at MOUNTPOINT")
+    m.add_argument("source", metavar="s3://BUCKET[/PREFIX]")
+    m.add_argument("mountpoint")
+    m.add_argument("--config", metavar="FILE", help="TOML file with any of the options")
+    for flag, kw in _MOUNT_FLAGS:
+        m.add_argument(flag, default=None, **kw)
+    for flag in _MOUNT_SWITCHES:
+        m.add_argument(flag, action="store_const", const=True, default=None)
+    m.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+    u = sub.add_parser("umount", help="upload every dirty file, then unmount")
+    u.add_argument("mountpoint")
+    u.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait for the daemon to exit after unmounting")
+
+    f = sub.add_parser("flush", help="return once everything dirty under PATH is in S3")
+    f.add_argument("path", metavar="MOUNTPOINT[/PATH]")
+
+    s = sub.add_parser("status", help="cache and write-back state of a mount")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def build_config(args: argparse.Namespace) -> MountConfig:
+    cfg = MountConfig()
+    if args.config:
+        load_config_file(cfg, args.config)
+    cfg.bucket, cfg.prefix = parse_source(args.source)
+    cfg.mountpoint = args.mountpoint
+    for flag, _ in _MOUNT_FLAGS:
+        dest = flag[2:].replace("-", "_")
+        value = getattr(args, dest)
+        if value is not None:
+            set_option(cfg, dest, value, "the command line")
+    for flag in _MOUNT_SWITCHES:
+        dest = flag[2:].replace("-", "_")
+        if getattr(args, dest):
+            setattr(cfg, dest, True)
+    cfg.validate()
+    return cfg
+
+
+def _cmd_mount(args: argparse.Namespace) -> int:
+    cfg = build_config(args)
+    if cfg.foreground or args.ready_fd is not None:
+        return _run_daemon(cfg, args.ready_fd)
+    # Start the daemon detached and wait for it to say it is mounted (or why not).
+    r, w = os.pipe()
+    argv = [sys.executable, "-m", "objcache", *sys.argv[1:], "--ready-fd", str(w)]
+    proc = subprocess.Popen(argv, pass_fds=(w,), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    os.close(w)
+    with os.fdopen(r) as pipe:
+        line = pipe.readline().strip()
+    if line == "ok":
+        proc.stderr.close()  # type: ignore[union-attr]
+        return 0
+    if line.startswith("error: "):
+        raise UserError(line[len("error: "):])
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    err = (proc.stderr.read().decode(errors="replace").strip().splitlines()  # type: ignore
+           or [f"exit status {proc.returncode}"])
+    raise UserError(f"the objcache daemon failed to start: {err[-1]}")
+
+
+def _run_daemon(cfg: MountConfig, ready_fd: int | None) -> int:
+    from objcache.daemon import Daemon, setup_logging
+
+    log_file = cfg.log_file
+    if ready_fd is not None and log_file is None:
+        cache_dir = cfg.cache_dir or cfg.default_cache_dir()
+        os.makedirs(cache_dir, exist_ok=True)
+        log_file = os.path.join(cache_dir, "objcache.log")
+    setup_logging(cfg.log_level, log_file)
+
+    def ready() -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, b"ok\n")
+            os.close(ready_fd)
+            # The parent stops reading our stderr now: send stray output to the log.
+            fd = os.open(log_file or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+
+    daemon = Daemon(cfg)
+    try:
+        daemon.prepare()
+    except UserError as e:
+        if ready_fd is not None:
+            os.write(ready_fd, f"error: {e}\n".encode())
+            os.close(ready_fd)
+            return e.exit_code
+        raise
+    daemon.run(ready)
+    return 0
+
+
+def _cmd_umount(args: argparse.Namespace) -> int:
+    mnt = os.path.abspath(args.mountpoint)
+    if not os.path.ismount(mnt):
+        raise UserError(f"{mnt} is not mounted")
+    reply = control.request(mnt, {"op": "unmount"})
+    pid = int(reply["pid"])
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        if not os.path.ismount(mnt) and not os.path.exists(f"/proc/{pid}"):
+            return 0
+        time.sleep(0.05)
+    if os.path.ismount(mnt):
+        raise UserError(f"{mnt} is still mounted after {args.timeout:.0f}s (busy?)")
+    return 0  # unmounted; the daemon process may live in another PID namespace
+
+
+def _cmd_flush(args: argparse.Namespace) -> int:
+    try:
+        ino = os.lstat(args.path).st_ino
+    except FileNotFoundError:
+        raise UserError(f"{args.path} does not exist") from None
+    reply = control.request(args.path, {"op": "flush", "ino": ino})
+    print(f"flushed {args.path} in {reply['seconds']:.2f}s")
+    return 0
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    v = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if v < 1024 or unit == "TiB":
+            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return str(n)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    st = control.request(args.mountpoint, {"op": "status"})
+    if args.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+        return 0
+    c, d, s3 = st["cache"], st["dirty"], st["s3"]
+    ratio = "-" if c["hit_ratio"] is None else f"{100 * c['hit_ratio']:.1f}%"
+    age = "-" if d["oldest_age_seconds"] is None else f"{d['oldest_age_seconds']:.1f}s"
+    reqs = ", ".join(f"{k} {v}" for k, v in sorted(s3["requests"].items())) or "none"
+    print(f"{st['source']} on {st['mountpoint']} (pid {st['pid']}, "
+          f"up {st['uptime_seconds']:.0f}s)")
+    print(f"cache:  {_size(c['used_bytes'])} used of {_size(c['capacity_bytes'])} "
+          f"({c['chunks']} chunks), hit ratio {ratio}")
+    print(f"dirty:  {d['files']} files, {_size(d['bytes'])}, oldest {age}")
+    print(f"s3:     {reqs}; errors {sum(s3['errors'].values())}, "
+          f"retries {sum(s3['retries'].values())}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"mount": _cmd_mount, "umount": _cmd_umount, "flush": _cmd_flush,
+                "status": _cmd_status}[args.command](args)
+    except UserError as e:
+        print(f"objcache {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130

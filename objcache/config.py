@@ -1,0 +1,153 @@
+"""Mount configuration: defaults, size parsing, the TOML config file, and validation.
+
+Every command-line flag of `objcache mount` has a config-file key of the same name (dashes
+or underscores). Flags given on the command line win over the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from objcache.errors import UserError
+
+MIB = 1 << 20
+MIN_CHUNK_SIZE = 5 * MIB  # an S3 multipart part (except the last) must be >= 5 MiB
+MAX_CHUNK_SIZE = 1 << 30
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """Parse '16M', '16MiB', '1.5G', '4096' (binary units) into bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise UserError(f"invalid {what} {text!r}: must not be negative")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise UserError(f"invalid {what} {text!r}: expected a number with an optional unit "
+                        "K, M, G, T (binary), e.g. 16M or 100G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_duration(text: str | float | int, what: str) -> float:
+    """Seconds, as a number or with an s/m/h suffix."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$", str(text))
+        if not m:
+            raise UserError(f"invalid {what} {text!r}: expected seconds, e.g. 5 or 2.5s or 1m")
+        value = float(m.group(1)) * {"ms": 0.001, None: 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    if value < 0:
+        raise UserError(f"invalid {what} {text!r}: must not be negative")
+    return value
+
+
+@dataclass
+class MountConfig:
+    """Everything a mount needs. Field names are the config-file keys."""
+
+    bucket: str = ""
+    prefix: str = ""
+    mountpoint: str = ""
+    endpoint_url: str | None = None
+    region: str | None = None
+    cache_dir: str | None = None
+    cache_size: int = 10 << 30
+    chunk_size: int = 16 * MIB
+    writeback_delay: float = 5.0
+    metadata_ttl: float = 30.0
+    readahead: int = 64 * MIB
+    s3_concurrency: int = 8
+    s3_retry_seconds: float = 60.0
+    foreground: bool = False
+    read_only: bool = False
+    allow_other: bool = False
+    log_level: str = "info"
+    log_file: str | None = None
+
+    def validate(self) -> None:
+        if not self.bucket:
+            raise UserError("missing bucket: expected s3://BUCKET[/PREFIX]")
+        if self.chunk_size < MIN_CHUNK_SIZE or self.chunk_size > MAX_CHUNK_SIZE:
+            raise UserError(f"invalid chunk-size {self.chunk_size}: must be between 5M and 1G "
+                            "(a chunk is an S3 multipart part)")
+        if self.cache_size < 2 * self.chunk_size:
+            raise UserError(f"cache-size {self.cache_size} is too small: it must hold at least "
+                            f"two chunks ({2 * self.chunk_size} bytes)")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise UserError(f"invalid log-level {self.log_level!r}: expected one of "
+                            + ", ".join(LOG_LEVELS))
+        if not 1 <= self.s3_concurrency <= 256:
+            raise UserError("invalid s3-concurrency: expected 1..256")
+
+    def default_cache_dir(self) -> str:
+        """A per-(endpoint, bucket, prefix) directory, so two mounts never share chunks."""
+        ident = f"{self.endpoint_url or ''}\0{self.bucket}\0{self.prefix}"
+        digest = hashlib.sha256(ident.encode()).hexdigest()[:12]
+        base = (Path("/var/cache/objcache") if os.geteuid() == 0
+                else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "objcache")
+        return str(base / f"{self.bucket}-{digest}")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(MountConfig)}
+_SIZE_KEYS = {"cache_size", "chunk_size", "readahead"}
+_DURATION_KEYS = {"writeback_delay", "metadata_ttl", "s3_retry_seconds"}
+_BOOL_KEYS = {"foreground", "read_only", "allow_other"}
+
+
+def parse_source(source: str) -> tuple[str, str]:
+    """'s3://bucket/some/prefix' -> ('bucket', 'some/prefix')."""
+    if not source.startswith("s3://"):
+        raise UserError(f"invalid source {source!r}: expected s3://BUCKET[/PREFIX]")
+    rest = source[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise UserError(f"invalid source {source!r}: the bucket name is empty")
+    return bucket, prefix.strip("/")
+
+
+def set_option(cfg: MountConfig, key: str, value: object, origin: str) -> None:
+    """Set one option by its flag/config name, converting and checking its type."""
+    name = key.replace("-", "_")
+    if name not in _FIELDS or name in ("bucket", "prefix", "mountpoint"):
+        raise UserError(f"unknown config key {key!r} in {origin}")
+    if name in _SIZE_KEYS:
+        value = parse_size(value, name.replace("_", "-"))  # type: ignore[arg-type]
+    elif name in _DURATION_KEYS:
+        value = parse_duration(value, name.replace("_", "-"))  # type: ignore[arg-type]
+    elif name in _BOOL_KEYS:
+        if not isinstance(value, bool):
+            raise UserError(f"invalid value for {key!r} in {origin}: expected true or false")
+    elif name == "s3_concurrency":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise UserError(f"invalid value for {key!r} in {origin}: expected an integer")
+    elif value is not None and not isinstance(value, str):
+        raise UserError(f"invalid value for {key!r} in {origin}: expected a string")
+    setattr(cfg, name, value)
+
+
+def load_config_file(cfg: MountConfig, path: str) -> None:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"config file {path} is not valid TOML: {e}") from None
+    for key, value in data.items():
+        if key in ("source", "bucket"):
+            # A config file may name the bucket too: `source = "s3://bucket/prefix"`.
+            cfg.bucket, cfg.prefix = parse_source(str(value) if key == "source"
+                                                  else f"s3://{value}")
+            continue
+        set_option(cfg, key, value, f"config file {path}")

@@ -1,0 +1,132 @@
+"""The flusher: uploads dirty local files to S3 after the write-back delay.
+
+A file is due when nobody has it open for writing and it has not changed for
+`writeback_delay` seconds, or at once when fsync/flush/umount asks, or when dirty data
+crowds the cache. Large files go up as parallel multipart uploads (one part per chunk).
+The dirty mark is cleared only if the file did not change while it was uploading, so a
+write racing an upload is never lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import trio
+
+from objcache.cache.localfiles import LocalFile, LocalFiles
+from objcache.config import MountConfig
+from objcache.core.inode import make_meta
+from objcache.errors import ObjcacheError, StoreError, first_error
+from objcache.store import ObjectStore
+
+log = logging.getLogger(__name__)
+
+_RETRY_AFTER_FAILURE = 10.0
+_PRESSURE = 0.8  # fraction of the cache above which closed dirty files upload at once
+
+
+class Writeback:
+    def __init__(self, cfg: MountConfig, store: ObjectStore, local: LocalFiles,
+                 on_uploaded: Callable[[LocalFile], None]) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.local = local
+        self.on_uploaded = on_uploaded
+        self.uploads = trio.CapacityLimiter(4)  # files in flight (parts run in parallel)
+        self._failed_at: dict[int, float] = {}
+        self._running: set[int] = set()
+        self.uploaded_files = 0
+        self.failed_uploads = 0
+
+    def _due(self, lf: LocalFile, now: float, pressure: bool) -> bool:
+        if not lf.dirty or lf.fid in self._running or lf.removed:
+            return False
+        if now - self._failed_at.get(lf.fid, -1e9) < _RETRY_AFTER_FAILURE:
+            return False
+        if lf.urgent:
+            return True
+        if lf.writers:
+            return False
+        return pressure or now - lf.last_change >= self.cfg.writeback_delay
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                self.local.changed = trio.Event()
+                now = time.monotonic()
+                cache = self.local.chunks
+                pressure = cache.used > _PRESSURE * cache.capacity
+                for lf in list(self.local.dirty_files()):
+                    if self._due(lf, now, pressure):
+                        self._running.add(lf.fid)
+                        nursery.start_soon(self._background_upload, lf)
+                with trio.move_on_after(min(1.0, max(0.05, self.cfg.writeback_delay / 4))):
+                    await self.local.changed.wait()
+
+    async def _background_upload(self, lf: LocalFile) -> None:
+        try:
+            async with self.uploads:
+                await self.upload(lf, raise_errors=False)
+        except Exception:  # never let one file take the flusher down
+            self._failed_at[lf.fid] = time.monotonic()
+            log.exception("unexpected error uploading %r", lf.key)
+        finally:
+            self._running.discard(lf.fid)
+
+    async def upload(self, lf: LocalFile, raise_errors: bool) -> None:
+        """Upload `lf` if it is dirty; with raise_errors, failures propagate."""
+        async with lf.lock:
+            if not lf.dirty or lf.removed:
+                return
+            version = lf.version
+            key = lf.key
+            started = time.monotonic()
+            try:
+                await self.local.materialize_all(lf)
+                meta = make_meta(lf.mode, lf.uid, lf.gid, lf.mtime_ns)
+                etag = await self.store.put_file(key, lf.path, lf.size, meta,
+                                                 self.local.cs)
+            except ObjcacheError as e:
+                self.failed_uploads += 1
+                self._failed_at[lf.fid] = time.monotonic()
+                log.error("upload of %r failed (it stays dirty and will be retried): %s",
+                          key, e)
+                if raise_errors:
+                    raise
+                return
+            self._failed_at.pop(lf.fid, None)
+            if lf.version == version and not lf.removed and lf.key == key:
+                self.local.mark_clean(lf, etag)
+                self.uploaded_files += 1
+                self.on_uploaded(lf)
+                log.debug("uploaded %r (%d bytes) in %.2fs", key, lf.size,
+                          time.monotonic() - started)
+            else:
+                log.debug("%r changed while uploading; it stays dirty", key)
+
+    async def flush(self, prefix: str | None = None, deadline: float | None = None) -> None:
+        """Return once nothing dirty is left under `prefix` (a key or key prefix; None or
+        '' means everything). Raises StoreError if an upload fails."""
+        while True:
+            todo = [lf for lf in self.local.dirty_files() if _under(lf.key, prefix)]
+            if not todo:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise StoreError(f"{len(todo)} files are still dirty after the flush timeout")
+            for lf in todo:
+                lf.urgent = True
+                self._failed_at.pop(lf.fid, None)
+            with first_error():
+                async with trio.open_nursery() as n:
+                    for lf in todo:
+                        n.start_soon(self._flush_one, lf)
+
+    async def _flush_one(self, lf: LocalFile) -> None:
+        async with self.uploads:
+            await self.upload(lf, raise_errors=True)
+
+
+def _under(key: str, prefix: str | None) -> bool:
+    return not prefix or key == prefix or key.startswith(prefix.rstrip("/") + "/")

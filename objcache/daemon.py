@@ -1,0 +1,237 @@
+"""The mount daemon: checks, builds the components, runs FUSE, and shuts down cleanly.
+
+Start-up refuses bad input before anything is mounted (a missing bucket, wrong
+credentials, an unreachable endpoint, a busy or non-empty mountpoint, a cache dir in use by
+another daemon). SIGTERM and SIGINT behave like `objcache umount`: upload every dirty file,
+then unmount and exit; a Kubernetes preStop hook relies on that.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import signal
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from objcache import __version__
+from objcache.cache.chunks import ChunkCache
+from objcache.cache.localfiles import LocalFiles
+from objcache.cache.statedb import StateDB
+from objcache.config import MountConfig
+from objcache.control import ControlChannel
+from objcache.core.filesystem import Filesystem
+from objcache.core.writeback import Writeback
+from objcache.errors import ObjcacheError, UserError
+from objcache.fs.operations import Operations, mount_options, set_read_ahead
+from objcache.store.s3 import S3Store
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(level: str, log_file: str | None) -> None:
+    handler: logging.Handler = (logging.FileHandler(log_file) if log_file
+                                else logging.StreamHandler(sys.stderr))
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s.%(msecs)03d %(process)d %(levelname)s %(name)s: %(message)s",
+        "%Y-%m-%d %H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # botocore at DEBUG prints request headers (signatures, tokens): never let it.
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("pyfuse3").setLevel(logging.INFO)
+
+
+def is_mountpoint_busy(path: str) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == real for line in f)
+
+
+def check_mountpoint(path: str) -> None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise UserError(f"mountpoint {path} does not exist") from None
+    except OSError as e:
+        raise UserError(f"mountpoint {path} is not usable: {e.strerror} "
+                        "(a dead mount? run: fusermount3 -uz " + path + ")") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"mountpoint {path} is not a directory")
+    if is_mountpoint_busy(path):
+        raise UserError(f"mountpoint {path} is busy: something is already mounted there")
+    if os.listdir(path):
+        raise UserError(f"mountpoint {path} is not empty")
+
+
+class CacheDir:
+    """The cache directory: exclusive lock, identity check, layout."""
+
+    def __init__(self, cfg: MountConfig) -> None:
+        self.path = Path(cfg.cache_dir or cfg.default_cache_dir())
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise UserError(f"cache dir {self.path} is not usable: {e.strerror}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"cache dir {self.path} is in use by another objcache daemon") \
+                from None
+        os.ftruncate(self._lock_fd, 0)
+        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+        ident = {"bucket": cfg.bucket, "prefix": cfg.prefix,
+                 "chunk_size": cfg.chunk_size}
+        id_file = self.path / "identity.json"
+        if id_file.exists():
+            old = json.loads(id_file.read_text())
+            if {k: old.get(k) for k in ident} != ident:
+                raise UserError(
+                    f"cache dir {self.path} belongs to s3://{old.get('bucket')}/"
+                    f"{old.get('prefix', '')} (chunk size {old.get('chunk_size')}); use "
+                    "another --cache-dir")
+        else:
+            id_file.write_text(json.dumps(ident))
+
+
+class Daemon:
+    def __init__(self, cfg: MountConfig) -> None:
+        self.cfg = cfg
+        # Resolved now: once mounted, resolving it would stat our own mount.
+        self.mountpoint = os.path.realpath(cfg.mountpoint)
+        self.started = time.time()
+        self.unmount_requested = False
+
+    def prepare(self) -> None:
+        """Everything that can fail because of user input, before mounting."""
+        cfg = self.cfg
+        check_mountpoint(self.mountpoint)
+        self.store = S3Store(cfg.bucket, cfg.prefix, cfg.endpoint_url, cfg.region,
+                             cfg.s3_concurrency, cfg.s3_retry_seconds)
+        self.store.check_bucket()
+        self.cache_dir = CacheDir(cfg)
+        self.db = StateDB(self.cache_dir.path / "state.db")
+        self.chunks = ChunkCache(self.db, self.cache_dir.path, cfg.cache_size, cfg.chunk_size,
+                                 self.store)
+        self.local = LocalFiles(self.db, self.cache_dir.path, self.chunks)
+        self.fs = Filesystem(cfg, self.store, self.chunks, self.local)
+        self.writeback = Writeback(cfg, self.store, self.local, self.fs._uploaded)
+        self.control = ControlChannel(self.handle_control)
+        self.ops = Operations(self.fs, self.writeback, self.control)
+
+    # -- control requests -----------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        c = self.chunks
+        dirty = list(self.local.dirty_files())
+        oldest = min((lf.dirty_since or time.time() for lf in dirty), default=None)
+        reads = c.stats.hits + c.stats.misses
+        return {
+            "ok": True, "version": __version__, "pid": os.getpid(),
+            "mountpoint": self.mountpoint,
+            "source": f"s3://{self.cfg.bucket}/{self.cfg.prefix}".rstrip("/"),
+            "endpoint": self.store.endpoint, "cache_dir": str(self.cache_dir.path),
+            "uptime_seconds": round(time.time() - self.started, 1),
+            "cache": {"used_bytes": c.used, "capacity_bytes": c.capacity,
+                      "chunk_bytes": c.chunk_bytes, "local_file_bytes": c.local_bytes,
+                      "chunks": c.chunk_count(), "hits": c.stats.hits,
+                      "misses": c.stats.misses, "evictions": c.stats.evictions,
+                      "hit_ratio": round(c.stats.hits / reads, 4) if reads else None},
+            "dirty": {"files": len(dirty), "bytes": sum(lf.size for lf in dirty),
+                      "oldest_age_seconds": None if oldest is None
+                      else round(time.time() - oldest, 1)},
+            "writeback": {"uploaded_files": self.writeback.uploaded_files,
+                          "failed_uploads": self.writeback.failed_uploads},
+            "s3": self.store.stats.as_dict(),
+        }
+
+    async def handle_control(self, req: dict[str, Any], uid: int) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "status":
+            return self.status()
+        if uid not in (0, os.getuid()):
+            raise UserError("permission denied: only root or the mount's owner may do this")
+        if op == "flush":
+            key = self.fs.key_of(int(req["ino"])) if "ino" in req else ""
+            t0 = time.monotonic()
+            await self.writeback.flush(key)
+            return {"ok": True, "seconds": round(time.monotonic() - t0, 3)}
+        if op == "unmount":
+            await self.writeback.flush("")
+            self.unmount_requested = True
+            # Reply first; terminate once this request has been answered.
+            trio.lowlevel.spawn_system_task(self._terminate_soon)
+            return {"ok": True, "pid": os.getpid()}
+        raise UserError(f"unknown control request {op!r}")
+
+    async def _terminate_soon(self) -> None:
+        await trio.sleep(0.05)
+        pyfuse3.terminate()
+
+    # -- running --------------------------------------------------------------------------
+
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("got %s: uploading dirty files, then unmounting",
+                         signal.Signals(signum).name)
+                try:
+                    await self.writeback.flush("")
+                except ObjcacheError as e:
+                    log.error("could not upload every dirty file before exit (they stay in "
+                              "the cache dir and upload on the next mount): %s", e)
+                self.unmount_requested = True
+                pyfuse3.terminate()
+                return
+
+    async def _after_init(self) -> None:
+        # The kernel resets the readahead window when FUSE's INIT completes, so raise it
+        # only after a first request (a stat in a thread, answered by the loop) got through.
+        await trio.to_thread.run_sync(os.stat, self.mountpoint)
+        set_read_ahead(self.mountpoint)
+
+    async def _main(self, ready: Any) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.chunks.run)
+            nursery.start_soon(self.writeback.run)
+            nursery.start_soon(self._signals)
+            nursery.start_soon(self._after_init)
+            ready()
+            log.info("mounted s3://%s/%s at %s (cache %s, %d bytes)", self.cfg.bucket,
+                     self.cfg.prefix, self.mountpoint, self.cache_dir.path,
+                     self.cfg.cache_size)
+            await pyfuse3.main()
+            # The kernel side is gone (umount, fusermount -u, or terminate above): upload
+            # what is still dirty while we still can, so "unmounted" means "in S3".
+            try:
+                with trio.move_on_after(3600):
+                    await self.writeback.flush("")
+            except ObjcacheError as e:
+                log.error("dirty files could not be uploaded before exit; they stay in the "
+                          "cache dir and upload on the next mount: %s", e)
+            nursery.cancel_scope.cancel()
+
+    def run(self, ready: Any) -> None:
+        pyfuse3.init(self.ops, self.mountpoint,
+                     mount_options(self.cfg.read_only, self.cfg.allow_other))
+        clean = False
+        try:
+            trio.run(self._main, ready)
+            clean = True
+        finally:
+            pyfuse3.close(unmount=True)
+            self.local.close()
+            self.chunks.flush_atimes()
+            self.db.close()
+            log.info("unmounted %s%s", self.mountpoint, "" if clean else " after an error")

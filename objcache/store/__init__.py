@@ -1,0 +1,66 @@
+"""The object-store interface the filesystem core is written against.
+
+Keys are relative to the mount's prefix and use '/' as the separator; a directory marker
+is the directory's key plus '/'. Implementations: `s3.S3Store` (boto3) and
+`memory.MemoryStore` (unit tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What S3 says about one object. `metadata` is None when it came from a LIST."""
+
+    key: str
+    size: int
+    etag: str
+    mtime_ns: int
+    metadata: dict[str, str] | None = None
+
+
+@dataclass(slots=True)
+class ListPage:
+    objects: list[ObjectInfo]
+    prefixes: list[str]
+
+
+class ObjectStore(Protocol):
+    async def head(self, key: str) -> ObjectInfo | None: ...
+
+    def list_dir(self, prefix: str) -> AsyncIterator[ListPage]:
+        """One level below `prefix` (which is '' or ends with '/'), page by page."""
+        ...
+
+    def list_recursive(self, prefix: str) -> AsyncIterator[ObjectInfo]: ...
+
+    async def has_prefix(self, prefix: str) -> bool:
+        """True when at least one key starts with `prefix`."""
+        ...
+
+    async def get_range_into(self, key: str, etag: str | None, start: int, length: int,
+                             fd: int, file_offset: int) -> None:
+        """Write bytes [start, start+length) of the object into `fd` at `file_offset`.
+
+        Raises StaleObject when the object's ETag is no longer `etag`.
+        """
+        ...
+
+    async def get_range(self, key: str, etag: str | None, start: int, length: int) -> bytes: ...
+
+    async def put_bytes(self, key: str, body: bytes, metadata: dict[str, str]) -> str: ...
+
+    async def put_file(self, key: str, path: str, size: int, metadata: dict[str, str],
+                       part_size: int) -> str:
+        """Upload a local file (multipart with `part_size` parts when larger); return ETag."""
+        ...
+
+    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> str:
+        """Server-side copy; `metadata` replaces the metadata when given. Returns the ETag."""
+        ...
+
+    async def delete(self, key: str) -> None: ...

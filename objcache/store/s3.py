@@ -1,0 +1,384 @@
+"""S3 object store on boto3: every blocking call runs in a worker thread behind a named
+CapacityLimiter, transient failures are retried with backoff, and errors become domain
+exceptions (objcache.errors). Credentials come from boto3's standard chain and are never
+logged or put in messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import boto3
+import botocore.exceptions as bex
+import trio
+from botocore.config import Config
+
+from objcache.errors import (
+    NotFound,
+    StaleObject,
+    StoreError,
+    StoreUnavailable,
+    UserError,
+    first_error,
+)
+from objcache.store import ListPage, ObjectInfo
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_READ_PIECE = 1 << 20
+_TRANSIENT_CODES = {
+    "500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown",
+    "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+    "RequestLimitExceeded", "TooManyRequests", "429",
+}
+_TRANSIENT_EXC = (
+    bex.EndpointConnectionError, bex.ConnectionClosedError, bex.ReadTimeoutError,
+    bex.ConnectTimeoutError, bex.ResponseStreamingError, bex.IncompleteReadError,
+    ConnectionError, TimeoutError,
+)
+
+
+class S3Stats:
+    """Request, error, retry and byte counters by operation (read by `status`)."""
+
+    def __init__(self) -> None:
+        self.requests: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.retries: Counter[str] = Counter()
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"requests": dict(self.requests), "errors": dict(self.errors),
+                "retries": dict(self.retries), "bytes_downloaded": self.bytes_in,
+                "bytes_uploaded": self.bytes_out}
+
+
+def _code(e: bex.ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def _status(e: bex.ClientError) -> int:
+    return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def _is_transient(e: BaseException) -> bool:
+    if isinstance(e, bex.ClientError):
+        return _code(e) in _TRANSIENT_CODES or _status(e) >= 500 or _status(e) == 429
+    return isinstance(e, _TRANSIENT_EXC)
+
+
+def make_client(endpoint_url: str | None, region: str | None, pool: int,
+                connect_timeout: float = 5, read_timeout: float = 30,
+                attempts: int = 3) -> Any:
+    s3cfg: dict[str, Any] = {}
+    if endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get(
+            "AWS_ENDPOINT_URL_S3"):
+        # S3-compatible servers (MinIO, SeaweedFS, COS with custom domains) want path style.
+        s3cfg["addressing_style"] = "path"
+    cfg = Config(max_pool_connections=pool, connect_timeout=connect_timeout,
+                 read_timeout=read_timeout, retries={"mode": "standard",
+                                                     "max_attempts": attempts},
+                 s3=s3cfg, region_name=region or os.environ.get("AWS_REGION")
+                 or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=cfg)
+
+
+def _meta_args(metadata: dict[str, str] | None) -> dict[str, Any]:
+    return {"Metadata": metadata} if metadata else {}
+
+
+class S3Store:
+    """`ObjectStore` over one bucket and prefix."""
+
+    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None,
+                 region: str | None = None, concurrency: int = 8,
+                 retry_seconds: float = 60.0) -> None:
+        self.bucket = bucket
+        self.base = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+        self.retry_seconds = retry_seconds
+        self.stats = S3Stats()
+        # Separate limiters so a burst of chunk downloads cannot starve metadata requests
+        # (a lookup waiting behind 8 x 16 MiB GETs would stall every `ls`).
+        self.get_limiter = trio.CapacityLimiter(concurrency)
+        self.put_limiter = trio.CapacityLimiter(concurrency)
+        self.meta_limiter = trio.CapacityLimiter(max(4, concurrency))
+        self.client = make_client(endpoint_url, region, pool=3 * concurrency + 8)
+        self.endpoint = self.client.meta.endpoint_url
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return self.base + key
+
+    async def _call(self, op: str, key: str, fn: Callable[[], T],
+                    limiter: trio.CapacityLimiter) -> T:
+        """Run `fn` in a thread; retry transient failures with jittered backoff."""
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.1
+        while True:
+            self.stats.requests[op] += 1
+            try:
+                return await trio.to_thread.run_sync(fn, limiter=limiter)
+            except bex.ClientError as e:
+                code, status = _code(e), _status(e)
+                if code in ("NoSuchKey", "NotFound", "404") or status == 404:
+                    if code == "NoSuchBucket":
+                        self.stats.errors[op] += 1
+                        raise StoreError(f"bucket {self.bucket!r} does not exist") from None
+                    raise NotFound(key) from None
+                if code == "PreconditionFailed" or status == 412:
+                    raise StaleObject(key) from None
+                if not _is_transient(e):
+                    self.stats.errors[op] += 1
+                    log.error("S3 %s of %r failed: %s (%s)", op, key, code or status, e)
+                    raise StoreError(f"S3 {op} of {key!r} failed: {code or status}") from None
+                err: BaseException = e
+            except _TRANSIENT_EXC as e:
+                err = e
+            except bex.NoCredentialsError:
+                self.stats.errors[op] += 1
+                raise StoreError("no S3 credentials found") from None
+            self.stats.errors[op] += 1
+            if time.monotonic() + delay > deadline:
+                log.error("S3 %s of %r failed after retrying for %.0fs: %s", op, key,
+                          self.retry_seconds, err)
+                raise StoreUnavailable(f"S3 {op} of {key!r}: {err}") from None
+            self.stats.retries[op] += 1
+            log.info("S3 %s of %r failed (%s); retrying in %.2fs", op, key, err, delay)
+            await trio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 5.0)
+
+    @staticmethod
+    def _info(key: str, size: int, etag: str, mtime: Any,
+              metadata: dict[str, str] | None) -> ObjectInfo:
+        return ObjectInfo(key=key, size=int(size), etag=etag,
+                          mtime_ns=int(mtime.timestamp() * 1e9), metadata=metadata)
+
+    # -- startup check --------------------------------------------------------------------
+
+    def check_bucket(self) -> None:
+        """Fail fast (seconds, not minutes) with one line naming the cause. Blocking."""
+        quick = make_client(self.client.meta.endpoint_url, self.client.meta.region_name, 2,
+                            connect_timeout=3, read_timeout=5, attempts=2)
+        where = f"at {self.endpoint}"
+        try:
+            quick.head_bucket(Bucket=self.bucket)
+            quick.list_objects_v2(Bucket=self.bucket, Prefix=self.base, MaxKeys=1)
+        except bex.NoCredentialsError:
+            raise UserError("no S3 credentials found: set AWS_ACCESS_KEY_ID and "
+                            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE") from None
+        except bex.ClientError as e:
+            code, status = _code(e), _status(e)
+            if status == 404 or code in ("NoSuchBucket", "404", "NotFound"):
+                raise UserError(f"bucket {self.bucket!r} does not exist {where}") from None
+            if status in (401, 403) or code in ("AccessDenied", "403", "InvalidAccessKeyId",
+                                                "SignatureDoesNotMatch", "Forbidden"):
+                raise UserError(f"access to bucket {self.bucket!r} {where} was denied: check "
+                                "the S3 credentials") from None
+            raise UserError(f"bucket {self.bucket!r} {where}: S3 error {code or status}") \
+                from None
+        except (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ReadTimeoutError,
+                bex.ConnectionClosedError, ConnectionError):
+            raise UserError(f"cannot reach the S3 endpoint {self.endpoint}") from None
+        except ValueError as e:  # e.g. an invalid endpoint URL
+            raise UserError(f"invalid S3 endpoint {self.endpoint!r}: {e}") from None
+
+    # -- ObjectStore ----------------------------------------------------------------------
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        def fn() -> Any:
+            return self.client.head_object(Bucket=self.bucket, Key=self._full(key))
+        try:
+            r = await self._call("head", key, fn, self.meta_limiter)
+        except NotFound:
+            return None
+        return self._info(key, r["ContentLength"], r["ETag"], r["LastModified"],
+                          dict(r.get("Metadata") or {}))
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[ListPage]:
+        full = self._full(prefix)
+        token: str | None = None
+        n = len(self.base)
+        while True:
+            args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full, "Delimiter": "/"}
+            if token:
+                args["ContinuationToken"] = token
+            r = await self._call("list", prefix,
+                                 lambda a=args: self.client.list_objects_v2(**a),
+                                 self.meta_limiter)
+            yield ListPage(
+                objects=[self._info(o["Key"][n:], o["Size"], o["ETag"], o["LastModified"],
+                                    None) for o in r.get("Contents", ())],
+                prefixes=[p["Prefix"][n:] for p in r.get("CommonPrefixes", ())])
+            token = r.get("NextContinuationToken")
+            if not r.get("IsTruncated") or not token:
+                return
+
+    async def list_recursive(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        full = self._full(prefix)
+        token: str | None = None
+        n = len(self.base)
+        while True:
+            args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
+            if token:
+                args["ContinuationToken"] = token
+            r = await self._call("list", prefix,
+                                 lambda a=args: self.client.list_objects_v2(**a),
+                                 self.meta_limiter)
+            for o in r.get("Contents", ()):
+                yield self._info(o["Key"][n:], o["Size"], o["ETag"], o["LastModified"], None)
+            token = r.get("NextContinuationToken")
+            if not r.get("IsTruncated") or not token:
+                return
+
+    async def has_prefix(self, prefix: str) -> bool:
+        def fn() -> Any:
+            return self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._full(prefix),
+                                               MaxKeys=1)
+        r = await self._call("list", prefix, fn, self.meta_limiter)
+        return bool(r.get("KeyCount") or r.get("Contents"))
+
+    def _get_args(self, key: str, etag: str | None, start: int, length: int) -> dict[str, Any]:
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key),
+                                "Range": f"bytes={start}-{start + length - 1}"}
+        if etag:
+            args["IfMatch"] = etag
+        return args
+
+    async def get_range_into(self, key: str, etag: str | None, start: int, length: int,
+                             fd: int, file_offset: int) -> None:
+        if length <= 0:
+            return
+        args = self._get_args(key, etag, start, length)
+
+        def fn() -> None:
+            body = self.client.get_object(**args)["Body"]
+            done = 0
+            try:
+                while done < length:
+                    piece = body.read(min(_READ_PIECE, length - done))
+                    if not piece:
+                        break
+                    os.pwrite(fd, piece, file_offset + done)
+                    done += len(piece)
+            finally:
+                body.close()
+            self.stats.bytes_in += done
+            if done != length:
+                # A short body is a dropped connection: let the retry loop fetch it again.
+                raise bex.IncompleteReadError(actual_bytes=done, expected_bytes=length)
+
+        await self._call("get", key, fn, self.get_limiter)
+
+    async def get_range(self, key: str, etag: str | None, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        args = self._get_args(key, etag, start, length)
+
+        def fn() -> bytes:
+            data: bytes = self.client.get_object(**args)["Body"].read()
+            if len(data) != length:
+                raise bex.IncompleteReadError(actual_bytes=len(data), expected_bytes=length)
+            self.stats.bytes_in += len(data)
+            return data
+
+        return await self._call("get", key, fn, self.get_limiter)
+
+    async def get_all(self, key: str) -> bytes:
+        """Whole small object (symlink targets)."""
+        def fn() -> bytes:
+            data: bytes = self.client.get_object(Bucket=self.bucket,
+                                                 Key=self._full(key))["Body"].read()
+            self.stats.bytes_in += len(data)
+            return data
+        return await self._call("get", key, fn, self.get_limiter)
+
+    async def put_bytes(self, key: str, body: bytes, metadata: dict[str, str]) -> str:
+        def fn() -> str:
+            r = self.client.put_object(Bucket=self.bucket, Key=self._full(key), Body=body,
+                                       **_meta_args(metadata))
+            self.stats.bytes_out += len(body)
+            return str(r["ETag"])
+        return await self._call("put", key, fn, self.put_limiter)
+
+    async def put_file(self, key: str, path: str, size: int, metadata: dict[str, str],
+                       part_size: int) -> str:
+        if size <= part_size:
+            def read() -> bytes:
+                with open(path, "rb") as f:
+                    data = f.read(size)
+                if len(data) < size:  # a sparse tail past EOF reads as zeros
+                    data += bytes(size - len(data))
+                return data
+            return await self.put_bytes(key, await trio.to_thread.run_sync(read), metadata)
+        return await self._multipart(key, path, size, metadata, part_size)
+
+    async def _multipart(self, key: str, path: str, size: int, metadata: dict[str, str],
+                         part_size: int) -> str:
+        full = self._full(key)
+        r = await self._call("create_multipart", key, lambda: self.client.create_multipart_upload(
+            Bucket=self.bucket, Key=full, **_meta_args(metadata)), self.meta_limiter)
+        upload_id = r["UploadId"]
+        nparts = (size + part_size - 1) // part_size
+        etags: list[str | None] = [None] * nparts
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            async def part(i: int) -> None:
+                start = i * part_size
+                length = min(part_size, size - start)
+
+                def fn() -> str:
+                    data = os.pread(fd, length, start)
+                    if len(data) < length:
+                        data += bytes(length - len(data))
+                    rr = self.client.upload_part(Bucket=self.bucket, Key=full,
+                                                 UploadId=upload_id, PartNumber=i + 1,
+                                                 Body=data)
+                    self.stats.bytes_out += length
+                    return str(rr["ETag"])
+                etags[i] = await self._call("upload_part", key, fn, self.put_limiter)
+
+            with first_error():
+                async with trio.open_nursery() as nursery:
+                    for i in range(nparts):
+                        nursery.start_soon(part, i)
+            parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
+            r = await self._call("complete_multipart", key,
+                                 lambda: self.client.complete_multipart_upload(
+                                     Bucket=self.bucket, Key=full, UploadId=upload_id,
+                                     MultipartUpload={"Parts": parts}), self.meta_limiter)
+            return str(r["ETag"])
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                try:
+                    await trio.to_thread.run_sync(lambda: self.client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=full, UploadId=upload_id))
+                except Exception as e:  # the upload is already failing; keep its error
+                    log.info("abort of multipart upload for %r failed: %s", key, e)
+            raise
+        finally:
+            os.close(fd)
+
+    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> str:
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(dst),
+                                "CopySource": {"Bucket": self.bucket, "Key": self._full(src)}}
+        if metadata is not None:
+            args["MetadataDirective"] = "REPLACE"
+            args["Metadata"] = metadata
+
+        def fn() -> str:
+            r = self.client.copy_object(**args)
+            return str(r["CopyObjectResult"]["ETag"])
+        return await self._call("copy", src, fn, self.meta_limiter)
+
+    async def delete(self, key: str) -> None:
+        await self._call("delete", key, lambda: self.client.delete_object(
+            Bucket=self.bucket, Key=self._full(key)), self.meta_limiter)

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.mount import Mount
+from tests.helpers.seaweed import SeaweedFS
+
+_bucket_seq = itertools.count()
+
+
+def _fuse_available() -> bool:
+    return os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    server = SeaweedFS(tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(seaweed: SeaweedFS):  # type: ignore[no-untyped-def]
+    return seaweed.client()
+
+
+@pytest.fixture
+def bucket(seaweed: SeaweedFS, s3) -> str:  # type: ignore[no-untyped-def]
+    name = f"t{os.getpid()}-{next(_bucket_seq)}"
+    s3.create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def mounts(seaweed: SeaweedFS, tmp_path: Path) -> Iterator[list[Mount]]:
+    """Mounts created by a test; all of them are torn down whatever happens."""
+    if not _fuse_available():
+        pytest.skip("needs /dev/fuse and fusermount3")
+    made: list[Mount] = []
+    yield made
+    for m in made:
+        m.stop()
+
+
+@pytest.fixture
+def mount(mounts: list[Mount], seaweed: SeaweedFS, bucket: str, tmp_path: Path):  # type: ignore
+    """A factory: mount(*extra_flags, cache=..., mnt=...) -> started Mount."""
+    def make(*extra: str, cache: Path | None = None, mnt: Path | None = None,
+             start: bool = True) -> Mount:
+        m = Mount(seaweed.endpoint, bucket, mnt or tmp_path / "mnt",
+                  cache or tmp_path / "cache", *extra)
+        mounts.append(m)
+        return m.start() if start else m
+    return make

@@ -1,0 +1,101 @@
+"""Mount objcache as a separate daemon process, and always clean up (lazy unmount, then
+end the daemon by PID)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.helpers.seaweed import ACCESS_KEY, SECRET_KEY
+
+
+def env(access: str = ACCESS_KEY, secret: str = SECRET_KEY) -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(AWS_ACCESS_KEY_ID=access, AWS_SECRET_ACCESS_KEY=secret,
+             AWS_DEFAULT_REGION="us-east-1")
+    e.pop("AWS_PROFILE", None)
+    return e
+
+
+def objcache(*args: str, check: bool = True, timeout: float = 120,
+             environ: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([sys.executable, "-m", "objcache", *args], capture_output=True,
+                       text=True, timeout=timeout, env=environ or env())
+    if check and r.returncode != 0:
+        raise AssertionError(f"objcache {' '.join(args)} failed ({r.returncode}): {r.stderr}")
+    return r
+
+
+def is_mounted(path: Path) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == real for line in f)
+
+
+class Mount:
+    """One objcache daemon in the foreground as a child process."""
+
+    def __init__(self, endpoint: str, bucket: str, mnt: Path, cache: Path,
+                 *extra: str, environ: dict[str, str] | None = None) -> None:
+        self.endpoint, self.bucket, self.mnt, self.cache = endpoint, bucket, mnt, cache
+        self.extra = extra
+        self.environ = environ
+        self.proc: subprocess.Popen[bytes] | None = None
+        mnt.mkdir(parents=True, exist_ok=True)
+        self.log_path = cache.parent / f"{cache.name}.log"
+
+    def start(self, timeout: float = 30) -> Mount:
+        args = [sys.executable, "-m", "objcache", "mount", f"s3://{self.bucket}",
+                str(self.mnt), "--endpoint-url", self.endpoint, "--cache-dir", str(self.cache),
+                "--foreground", "--log-level", "debug", *self.extra]
+        self.log = open(self.log_path, "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=self.environ or env(), start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not is_mounted(self.mnt):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}:\n"
+                                     + self.log_path.read_text()[-3000:])
+            if time.monotonic() > deadline:
+                raise AssertionError("mount did not appear")
+            time.sleep(0.05)
+        # The first request completes FUSE's INIT; after it the mount is fully usable.
+        os.stat(self.mnt)
+        return self
+
+    def status(self) -> dict[str, Any]:
+        return json.loads(objcache("status", str(self.mnt), "--json").stdout)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+        subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        """Teardown: lazy unmount, then end the daemon by PID (TERM, then KILL)."""
+        if is_mounted(self.mnt):
+            subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if hasattr(self, "log"):
+            self.log.close()
+
+    def errors_in_log(self) -> list[str]:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return [line for line in text.splitlines() if " ERROR " in line or "Traceback" in line]
