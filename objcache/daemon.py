@@ -224,7 +224,7 @@ class Daemon:
 
     def run(self, ready: Any) -> None:
         pyfuse3.init(self.ops, self.mountpoint,
-                     mount_options(self.cfg.read_only, self.cfg.allow_other))
+                     mount_options(self.cfg.allow_other))
         clean = False
         try:
             trio.run(self._main, ready)

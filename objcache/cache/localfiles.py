@@ -92,6 +92,7 @@ class LocalFiles:
         self.by_key: dict[str, LocalFile] = {}
         self.changed = trio.Event()  # set when a file becomes dirty or closes (wakes flusher)
         chunks.evict_local = self.evict_one
+        self._charging: LocalFile | None = None
         self._load()
 
     # -- journal --------------------------------------------------------------------------
@@ -183,8 +184,12 @@ class LocalFiles:
     def _charge(self, lf: LocalFile, new_size: int) -> None:
         grow = new_size - lf.charged
         if grow > 0:
-            if not self.chunks.make_room(grow):
-                raise NoSpace(lf.key)
+            self._charging = lf  # never evict the file we are making room for
+            try:
+                if not self.chunks.make_room(grow):
+                    raise NoSpace(lf.key)
+            finally:
+                self._charging = None
             lf.charged += grow
             self.chunks.local_bytes += grow
 
@@ -329,7 +334,8 @@ class LocalFiles:
     def evict_one(self) -> int:
         """Drop the least recently changed clean local file nobody has open."""
         victims = [lf for lf in self.by_key.values()
-                   if not lf.dirty and lf.opens == 0 and not lf.lock.locked()]
+                   if not lf.dirty and lf.opens == 0 and not lf.lock.locked()
+                   and lf is not self._charging]
         if not victims:
             return 0
         lf = min(victims, key=lambda f: f.last_change)

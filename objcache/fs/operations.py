@@ -242,11 +242,11 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
 
-def mount_options(read_only: bool, allow_other: bool) -> set[str]:
+def mount_options(allow_other: bool) -> set[str]:
     opts = set(pyfuse3.default_options)  # includes default_permissions
     opts |= {"fsname=objcache", "subtype=objcache", "noatime"}
-    if read_only:
-        opts.add("ro")
+    # --read-only is enforced by the daemon (EROFS on every change), not by a kernel "ro"
+    # mount, because the control file must stay writable for `objcache status/umount`.
     if allow_other:
         opts.add("allow_other")
     return opts

@@ -1,0 +1,91 @@
+"""An in-memory ObjectStore for fast unit tests (never the only proof of a feature)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import trio
+import trio.lowlevel
+
+from objcache.errors import StaleObject
+from objcache.store import ListPage, ObjectInfo
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self.objects: dict[str, tuple[bytes, dict[str, str], str, int]] = {}
+        self.calls: Counter[str] = Counter()
+        self.delay = 0.0
+
+    def put(self, key: str, body: bytes, metadata: dict[str, str] | None = None) -> str:
+        etag = '"' + hashlib.md5(body).hexdigest() + '"'
+        self.objects[key] = (body, dict(metadata or {}), etag, time.time_ns())
+        return etag
+
+    def _info(self, key: str, with_meta: bool) -> ObjectInfo:
+        body, meta, etag, mtime = self.objects[key]
+        return ObjectInfo(key, len(body), etag, mtime, dict(meta) if with_meta else None)
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        self.calls["head"] += 1
+        await trio.lowlevel.checkpoint()
+        return self._info(key, True) if key in self.objects else None
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[ListPage]:
+        self.calls["list"] += 1
+        objs, prefixes = [], set()
+        for key in sorted(self.objects):
+            if not key.startswith(prefix):
+                continue
+            rest = key[len(prefix):]
+            if "/" in rest:
+                prefixes.add(prefix + rest.split("/")[0] + "/")
+            else:
+                objs.append(self._info(key, False))
+        yield ListPage(objs, sorted(prefixes))
+
+    async def list_recursive(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        for key in sorted(self.objects):
+            if key.startswith(prefix):
+                yield self._info(key, False)
+
+    async def has_prefix(self, prefix: str) -> bool:
+        return any(k.startswith(prefix) for k in self.objects)
+
+    def _check(self, key: str, etag: str | None) -> bytes:
+        body, _, cur, _ = self.objects[key]
+        if etag is not None and etag != cur:
+            raise StaleObject(key)
+        return body
+
+    async def get_range_into(self, key: str, etag: str | None, start: int, length: int,
+                             fd: int, file_offset: int) -> None:
+        self.calls["get"] += 1
+        await trio.sleep(self.delay)
+        os.pwrite(fd, self._check(key, etag)[start:start + length], file_offset)
+
+    async def get_range(self, key: str, etag: str | None, start: int, length: int) -> bytes:
+        self.calls["get"] += 1
+        await trio.sleep(self.delay)
+        return self._check(key, etag)[start:start + length]
+
+    async def put_bytes(self, key: str, body: bytes, metadata: dict[str, str]) -> str:
+        self.calls["put"] += 1
+        return self.put(key, body, metadata)
+
+    async def put_file(self, key: str, path: str, size: int, metadata: dict[str, str],
+                       part_size: int) -> str:
+        self.calls["put"] += 1
+        data = await trio.Path(path).read_bytes()
+        return self.put(key, data.ljust(size, b"\0"), metadata)
+
+    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> str:
+        body, meta, _, _ = self.objects[src]
+        return self.put(dst, body, meta if metadata is None else metadata)
+
+    async def delete(self, key: str) -> None:
+        self.objects.pop(key, None)

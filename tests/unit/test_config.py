@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import pytest
+
+from objcache.config import MountConfig, parse_duration, parse_size, parse_source, set_option
+from objcache.errors import UserError
+
+
+@pytest.mark.parametrize("text,value", [("16M", 16 << 20), ("16MiB", 16 << 20), ("1g", 1 << 30),
+                                        ("4096", 4096), ("1.5K", 1536), (5, 5)])
+def test_parse_size(text, value):  # type: ignore
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "12X", "-1", "M", "1.2.3G"])
+def test_parse_size_rejects(text):  # type: ignore
+    with pytest.raises(UserError):
+        parse_size(text)
+
+
+def test_durations_and_source():  # type: ignore
+    assert parse_duration("1m", "x") == 60 and parse_duration(2, "x") == 2.0
+    assert parse_duration("250ms", "x") == 0.25
+    assert parse_source("s3://b/some/prefix/") == ("b", "some/prefix")
+    with pytest.raises(UserError):
+        parse_source("b/x")
+
+
+def test_set_option_and_validate():  # type: ignore
+    cfg = MountConfig(bucket="b")
+    set_option(cfg, "chunk-size", "8M", "test")
+    set_option(cfg, "writeback_delay", "2s", "test")
+    assert cfg.chunk_size == 8 << 20 and cfg.writeback_delay == 2
+    with pytest.raises(UserError, match="unknown config key"):
+        set_option(cfg, "nope", 1, "test")
+    with pytest.raises(UserError, match="expected true or false"):
+        set_option(cfg, "read-only", "yes", "test")
+    cfg.chunk_size = 1 << 20
+    with pytest.raises(UserError, match="chunk-size"):
+        cfg.validate()

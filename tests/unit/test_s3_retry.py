@@ -1,0 +1,64 @@
+"""The S3 store's retry and error mapping, with boto3's real exception types."""
+
+from __future__ import annotations
+
+import botocore.exceptions as bex
+import pytest
+
+from objcache.errors import NotFound, StaleObject, StoreError, StoreUnavailable
+from objcache.store.s3 import S3Store
+
+
+def client_error(code: str, status: int) -> bex.ClientError:
+    return bex.ClientError({"Error": {"Code": code, "Message": code},
+                            "ResponseMetadata": {"HTTPStatusCode": status}}, "HeadObject")
+
+
+class FlakyClient:
+    def __init__(self, failures: list[BaseException]) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    def head_object(self, **kw):  # type: ignore
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        import datetime
+        return {"ContentLength": 3, "ETag": '"e"', "Metadata": {},
+                "LastModified": datetime.datetime.now(datetime.UTC)}
+
+
+def store_with(client: FlakyClient, retry_seconds: float = 5) -> S3Store:
+    s = S3Store("b", "p", endpoint_url="http://127.0.0.1:9", retry_seconds=retry_seconds)
+    s.client = client
+    return s
+
+
+async def test_transient_errors_are_retried() -> None:
+    fails = [client_error("SlowDown", 503), client_error("InternalError", 500),
+             bex.EndpointConnectionError(endpoint_url="x"),
+             bex.ReadTimeoutError(endpoint_url="x")]
+    c = FlakyClient(fails)
+    s = store_with(c)
+    info = await s.head("k")
+    assert info is not None and info.size == 3
+    assert c.calls == 5 and s.stats.retries["head"] == 4
+
+
+async def test_permanent_errors_are_not_retried() -> None:
+    s = store_with(FlakyClient([client_error("AccessDenied", 403)]))
+    with pytest.raises(StoreError, match="'k'"):
+        await s.head("k")
+    assert await store_with(FlakyClient([client_error("404", 404)])).head("k") is None
+    with pytest.raises(StaleObject):
+        await store_with(FlakyClient([client_error("PreconditionFailed", 412)])).head("k")
+    with pytest.raises(NotFound):
+        await store_with(FlakyClient([client_error("NoSuchKey", 404)]))._call(
+            "get", "k", lambda: (_ for _ in ()).throw(client_error("NoSuchKey", 404)),
+            s.meta_limiter)
+
+
+async def test_retry_budget_ends_in_unavailable() -> None:
+    s = store_with(FlakyClient([client_error("503", 503)] * 100), retry_seconds=0.5)
+    with pytest.raises(StoreUnavailable):
+        await s.head("k")
