@@ -30,7 +30,7 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
                            "(default 5)"}),
     ("--metadata-ttl", {"metavar": "SECONDS",
                         "help": "revalidate S3 metadata after this long (default 30)"}),
-    ("--readahead", {"metavar": "SIZE", "help": "sequential readahead window (default 64M)"}),
+    ("--readahead", {"metavar": "SIZE", "help": "sequential readahead window (default 128M)"}),
     ("--s3-concurrency", {"metavar": "N", "type": int,
                           "help": "parallel S3 transfers (default 8)"}),
     ("--log-level", {"metavar": "LEVEL", "help": "debug, info, warning or error"}),

@@ -66,7 +66,7 @@ class MountConfig:
     chunk_size: int = 16 * MIB
     writeback_delay: float = 5.0
     metadata_ttl: float = 30.0
-    readahead: int = 64 * MIB
+    readahead: int = 128 * MIB
     s3_concurrency: int = 8
     s3_retry_seconds: float = 60.0
     foreground: bool = False
