@@ -126,7 +126,7 @@ class Daemon:
                                  self.store)
         self.local = LocalFiles(self.db, self.cache_dir.path, self.chunks)
         self.fs = Filesystem(cfg, self.store, self.chunks, self.local)
-        self.writeback = Writeback(cfg, self.store, self.local, self.fs._uploaded)
+        self.writeback = Writeback(cfg, self.store, self.local, self.fs.uploaded)
         self.control = ControlChannel(self.handle_control)
         self.ops = Operations(self.fs, self.writeback, self.control)
 

@@ -561,9 +561,9 @@ class Filesystem:
         if lf is not None and lf.dirty:
             self.local.save(lf)
             await writeback.upload(lf, raise_errors=True)  # type: ignore[attr-defined]
-            self._uploaded(lf)
+            self.uploaded(lf)
 
-    def _uploaded(self, lf: LocalFile) -> None:
+    def uploaded(self, lf: LocalFile) -> None:
         """Bring the inode in line with a just-uploaded local file."""
         ino = self.by_key.get(lf.key)
         if ino is not None and not lf.dirty and lf.etag:
