@@ -147,6 +147,9 @@ class Daemon:
                       "chunk_bytes": c.chunk_bytes, "local_file_bytes": c.local_bytes,
                       "chunks": c.chunk_count(), "hits": c.stats.hits,
                       "misses": c.stats.misses, "evictions": c.stats.evictions,
+                      "uncached_reads": c.stats.bypass,
+                      "bytes_read_from_cache": c.stats.bytes_from_cache,
+                      "bytes_read_from_s3": c.stats.bytes_from_s3,
                       "hit_ratio": round(c.stats.hits / reads, 4) if reads else None},
             "dirty": {"files": len(dirty), "bytes": sum(lf.size for lf in dirty),
                       "oldest_age_seconds": None if oldest is None

@@ -142,14 +142,7 @@ class ChunkCache:
         self.chunk_bytes += ch.size
 
     def _remove(self, ch: Chunk) -> None:
-        cid = (ch.key, ch.etag, ch.idx)
-        del self._lru[cid]
-        ids = self._by_key.get(ch.key)
-        if ids is not None:
-            ids.discard(cid)
-            if not ids:
-                del self._by_key[ch.key]
-        self.chunk_bytes -= ch.size
+        self._remove_index_only(ch)
         self.db.execute("DELETE FROM chunks WHERE id=?", (ch.id,))
         try:
             os.unlink(ch.path)

@@ -69,8 +69,15 @@ class StateDB:
         return self.conn.execute(sql, args)
 
     def executemany(self, sql: str, rows: list[tuple[object, ...]]) -> None:
-        with self.conn:
+        # The connection is in autocommit mode, where `with conn` opens no transaction:
+        # without BEGIN every row would be its own commit.
+        self.conn.execute("BEGIN")
+        try:
             self.conn.executemany(sql, rows)
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
 
     def close(self) -> None:
         self.conn.close()

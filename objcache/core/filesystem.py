@@ -48,6 +48,7 @@ from objcache.errors import (
 )
 
 if TYPE_CHECKING:
+    from objcache.core.writeback import Writeback
     from objcache.store import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -138,8 +139,8 @@ class Filesystem:
             if inode is None or ino == ROOT_INO:
                 continue
             inode.lookups -= n
-            if inode.lookups > 0 or self.by_key.get(inode.key) == ino and self._listed_in_parent(
-                    inode):
+            still_listed = self.by_key.get(inode.key) == ino and self._listed_in_parent(inode)
+            if inode.lookups > 0 or still_listed:
                 continue
             if self.by_key.get(inode.key) == ino:
                 del self.by_key[inode.key]
@@ -183,6 +184,17 @@ class Filesystem:
         timeout = self.ttl if inode.meta_loaded or inode.is_dir else 0.0
         return Attr(inode.ino, inode.mode, inode.size, inode.uid, inode.gid, inode.mtime_ns,
                     timeout)
+
+    def _detached_attr(self, inode: Inode) -> Attr:
+        """An unlinked file that is still open (fstat on its handle): its last attributes."""
+        for h in self.handles.values():
+            if h.inode is inode and h.lf is not None:
+                lf = h.lf
+                return Attr(inode.ino, lf.mode, lf.size, lf.uid, lf.gid, lf.mtime_ns, 0.0)
+        if not any(h.inode is inode for h in self.handles.values()):
+            raise NotFound(inode.key)
+        return Attr(inode.ino, inode.mode, inode.size, inode.uid, inode.gid, inode.mtime_ns,
+                    0.0)
 
     def ctrl_attr(self) -> Attr:
         return Attr(CTRL_INO, stat.S_IFREG | 0o666, 0, 0, 0, self.mount_time_ns, 0.0)
@@ -321,7 +333,7 @@ class Filesystem:
         if (not inode.is_dir and inode.key not in self.local.by_key
                 and not (inode.meta_loaded and self._fresh(inode.checked))):
             if inode.key.startswith("\0"):
-                raise NotFound(inode.key)
+                return self._detached_attr(inode)
             fresh = await self._revalidate(inode)
             if fresh.ino != inode.ino:
                 raise NotFound(inode.key)  # it became another type; the old inode is stale
@@ -537,7 +549,7 @@ class Filesystem:
         h = self.handle(fh)
         if not h.writable:
             raise Invalid("handle not open for writing")
-        if h.lf is None or h.lf.removed and h.inode.key in self.local.by_key:
+        if h.lf is None:
             h.lf = self._make_local(h.inode)
             self.local.opened(h.lf, True)
         return await self.local.write(h.lf, offset, data)
@@ -554,13 +566,13 @@ class Filesystem:
         if h is not None and h.lf is not None:
             self.local.closed(h.lf, h.writable)
 
-    async def fsync(self, fh: int, writeback: object) -> None:
-        """Upload the file before returning (`writeback` is the Writeback)."""
+    async def fsync(self, fh: int, writeback: Writeback) -> None:
+        """Upload the file before returning."""
         h = self.handle(fh)
         lf = h.lf or self.local.by_key.get(h.inode.key)
         if lf is not None and lf.dirty:
             self.local.save(lf)
-            await writeback.upload(lf, raise_errors=True)  # type: ignore[attr-defined]
+            await writeback.upload(lf, raise_errors=True)
             self.uploaded(lf)
 
     def uploaded(self, lf: LocalFile) -> None:
@@ -658,11 +670,7 @@ class Filesystem:
         if not inode.is_symlink:
             raise Invalid(inode.key)
         if inode.target is None:
-            get_all = getattr(self.store, "get_all", None)
-            if get_all is not None:
-                inode.target = await get_all(inode.key)
-            else:
-                inode.target = await self.store.get_range(inode.key, None, 0, inode.size)
+            inode.target = await self.store.get_range(inode.key, inode.etag, 0, inode.size)
         return inode.target
 
     # -- rename ---------------------------------------------------------------------------

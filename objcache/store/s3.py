@@ -292,15 +292,6 @@ class S3Store:
 
         return await self._call("get", key, fn, self.get_limiter)
 
-    async def get_all(self, key: str) -> bytes:
-        """Whole small object (symlink targets)."""
-        def fn() -> bytes:
-            data: bytes = self.client.get_object(Bucket=self.bucket,
-                                                 Key=self._full(key))["Body"].read()
-            self.stats.bytes_in += len(data)
-            return data
-        return await self._call("get", key, fn, self.get_limiter)
-
     async def put_bytes(self, key: str, body: bytes, metadata: dict[str, str]) -> str:
         def fn() -> str:
             r = self.client.put_object(Bucket=self.bucket, Key=self._full(key), Body=body,

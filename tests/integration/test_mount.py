@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import mmap
 import os
 import stat
 import subprocess
@@ -309,3 +310,22 @@ def test_cp_and_checksum_tools_work(s3, bucket, mount, tmp_path):  # type: ignor
     b = subprocess.run(["sha256sum", str(m.mnt / "copy.bin")], capture_output=True,
                        text=True).stdout.split()[0]
     assert a == b
+
+
+def test_mmap_and_unlink_of_an_open_file(s3, bucket, mount):  # type: ignore
+    data = os.urandom(3 * MiB)
+    s3.put_object(Bucket=bucket, Key="m.bin", Body=data)
+    m = mount("--writeback-delay", "3600")
+    with open(m.mnt / "m.bin", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        assert mm[MiB:MiB + 4096] == data[MiB:MiB + 4096]
+    assert m.status()["cache"]["bytes_read_from_s3"] == len(data)
+    with open(m.mnt / "open.txt", "w+b") as f:
+        f.write(b"still here")
+        f.flush()
+        os.unlink(m.mnt / "open.txt")
+        assert not (m.mnt / "open.txt").exists()
+        f.seek(0)
+        assert f.read() == b"still here"
+    objcache("flush", str(m.mnt))
+    assert "open.txt" not in s3_keys(s3, bucket)
+    assert m.status()["dirty"]["files"] == 0
