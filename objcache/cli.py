@@ -33,6 +33,17 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--readahead", {"metavar": "SIZE", "help": "sequential readahead window (default 128M)"}),
     ("--s3-concurrency", {"metavar": "N", "type": int,
                           "help": "parallel S3 transfers (default 8)"}),
+    ("--listen", {"metavar": "HOST:PORT", "help": "join a cluster: this node's peer "
+                  "address (without it the daemon runs alone)"}),
+    ("--peers", {"metavar": "HOST:PORT,...", "help": "members to join through (none "
+                 "reachable: form a new cluster)"}),
+    ("--cluster-secret-file", {"metavar": "FILE", "help": "the shared cluster key"}),
+    ("--node-id", {"metavar": "ID", "help": "this node's name in the cluster (default: "
+                   "the --listen address)"}),
+    ("--near-cache-size", {"metavar": "SIZE", "help": "bytes of other nodes' hot chunks "
+                           "kept here (default: a tenth of --cache-size)"}),
+    ("--peer-timeout", {"metavar": "SECONDS", "help": "take a silent peer off the ring "
+                        "after this long (default 5)"}),
     ("--log-level", {"metavar": "LEVEL", "help": "debug, info, warning or error"}),
     ("--log-file", {"metavar": "FILE", "help": "log here (default: stderr in the "
                     "foreground, CACHE_DIR/objcache.log otherwise)"}),
@@ -126,7 +137,11 @@ def _run_daemon(cfg: MountConfig, ready_fd: int | None) -> int:
         log_file = os.path.join(cache_dir, "objcache.log")
     setup_logging(cfg.log_level, log_file)
 
+    readied = False
+
     def ready() -> None:
+        nonlocal readied
+        readied = True
         if ready_fd is not None:
             os.write(ready_fd, b"ok\n")
             os.close(ready_fd)
@@ -139,13 +154,13 @@ def _run_daemon(cfg: MountConfig, ready_fd: int | None) -> int:
     daemon = Daemon(cfg)
     try:
         daemon.prepare()
+        daemon.run(ready)
     except UserError as e:
-        if ready_fd is not None:
+        if ready_fd is not None and not readied:
             os.write(ready_fd, f"error: {e}\n".encode())
             os.close(ready_fd)
             return e.exit_code
         raise
-    daemon.run(ready)
     return 0
 
 
@@ -202,6 +217,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"dirty:  {d['files']} files, {_size(d['bytes'])}, oldest {age}")
     print(f"s3:     {reqs}; errors {sum(s3['errors'].values())}, "
           f"retries {sum(s3['retries'].values())}")
+    cl = st.get("cluster")
+    if cl:
+        print(f"cluster: node {cl['node_id']} on {cl['listen']}, {len(cl['members'])} "
+              f"known nodes; read from peers {_size(c['bytes_read_from_peers'])}, served "
+              f"to peers {_size(c['bytes_served_to_peers'])}")
+        print(f"  {'NODE':<24} {'ADDRESS':<22} {'STATE':<8} {'RING':>6} {'CACHE USED':>11} "
+              f"{'CAPACITY':>11}")
+        for m in cl["members"]:
+            print(f"  {m['id']:<24} {m['addr']:<22} {m['state']:<8} "
+                  f"{100 * m['ring_share']:5.1f}% {_size(m['cache_used_bytes']):>11} "
+                  f"{_size(m['cache_capacity_bytes']):>11}")
     return 0
 
 

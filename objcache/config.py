@@ -74,6 +74,13 @@ class MountConfig:
     allow_other: bool = False
     log_level: str = "info"
     log_file: str | None = None
+    # Cluster (issue 3): without `listen` the daemon runs alone.
+    listen: str | None = None
+    peers: str | None = None  # comma-separated HOST:PORT of members to join through
+    cluster_secret_file: str | None = None
+    node_id: str | None = None
+    near_cache_size: int | None = None  # default: a tenth of cache_size
+    peer_timeout: float = 5.0
 
     def validate(self) -> None:
         if not self.bucket:
@@ -89,6 +96,22 @@ class MountConfig:
                             + ", ".join(LOG_LEVELS))
         if not 1 <= self.s3_concurrency <= 256:
             raise UserError("invalid s3-concurrency: expected 1..256")
+        if self.listen is None:
+            if self.peers or self.node_id:
+                raise UserError("--peers and --node-id need --listen HOST:PORT (this node's "
+                                "peer address)")
+        else:
+            if not re.match(r"^[^\s:]+:\d{1,5}$|^\[[0-9a-fA-F:]+\]:\d{1,5}$", self.listen):
+                raise UserError(f"invalid --listen {self.listen!r}: expected HOST:PORT")
+            if not self.cluster_secret_file:
+                raise UserError("--listen needs --cluster-secret-file (the shared cluster key)")
+            for peer in (self.peers or "").split(","):
+                if peer.strip() and not re.match(r"^\S+:\d{1,5}$", peer.strip()):
+                    raise UserError(f"invalid peer address {peer.strip()!r}: expected HOST:PORT")
+        if self.peer_timeout < 0.5:
+            raise UserError("invalid peer-timeout: must be at least 0.5 seconds")
+        if self.near_cache_size is None:
+            self.near_cache_size = self.cache_size // 10
 
     def default_cache_dir(self) -> str:
         """A per-(endpoint, bucket, prefix) directory, so two mounts never share chunks."""
@@ -100,8 +123,8 @@ class MountConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(MountConfig)}
-_SIZE_KEYS = {"cache_size", "chunk_size", "readahead"}
-_DURATION_KEYS = {"writeback_delay", "metadata_ttl", "s3_retry_seconds"}
+_SIZE_KEYS = {"cache_size", "chunk_size", "readahead", "near_cache_size"}
+_DURATION_KEYS = {"writeback_delay", "metadata_ttl", "s3_retry_seconds", "peer_timeout"}
 _BOOL_KEYS = {"foreground", "read_only", "allow_other"}
 
 
@@ -131,6 +154,8 @@ def set_option(cfg: MountConfig, key: str, value: object, origin: str) -> None:
     elif name == "s3_concurrency":
         if not isinstance(value, int) or isinstance(value, bool):
             raise UserError(f"invalid value for {key!r} in {origin}: expected an integer")
+    elif name == "peers" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)  # a config file may give a list
     elif value is not None and not isinstance(value, str):
         raise UserError(f"invalid value for {key!r} in {origin}: expected a string")
     setattr(cfg, name, value)

@@ -26,11 +26,12 @@ from objcache import __version__
 from objcache.cache.chunks import ChunkCache
 from objcache.cache.localfiles import LocalFiles
 from objcache.cache.statedb import StateDB
+from objcache.cluster.node import ClusterNode, bind_listener, load_secret
 from objcache.config import MountConfig
 from objcache.control import ControlChannel
 from objcache.core.filesystem import Filesystem
 from objcache.core.writeback import Writeback
-from objcache.errors import ObjcacheError, UserError
+from objcache.errors import ObjcacheError, UserError, unwrap
 from objcache.fs.operations import Operations, mount_options, set_read_ahead
 from objcache.store.s3 import S3Store
 
@@ -123,7 +124,11 @@ class Daemon:
         self.cache_dir = CacheDir(cfg)
         self.db = StateDB(self.cache_dir.path / "state.db")
         self.chunks = ChunkCache(self.db, self.cache_dir.path, cfg.cache_size, cfg.chunk_size,
-                                 self.store)
+                                 self.store, near_capacity=cfg.near_cache_size or 0)
+        self.cluster: ClusterNode | None = None
+        if cfg.listen:
+            key = load_secret(cfg.cluster_secret_file)
+            self.cluster = ClusterNode(cfg, key, self.chunks, bind_listener(cfg.listen))
         self.local = LocalFiles(self.db, self.cache_dir.path, self.chunks)
         self.fs = Filesystem(cfg, self.store, self.chunks, self.local)
         self.writeback = Writeback(cfg, self.store, self.local, self.fs.uploaded)
@@ -150,6 +155,11 @@ class Daemon:
                       "uncached_reads": c.stats.bypass,
                       "bytes_read_from_cache": c.stats.bytes_from_cache,
                       "bytes_read_from_s3": c.stats.bytes_from_s3,
+                      "bytes_read_from_peers": c.stats.bytes_from_peers,
+                      "peer_fallbacks": c.stats.peer_fallbacks,
+                      "bytes_served_to_peers": c.stats.bytes_served_to_peers,
+                      "near_cache_bytes": c.near_bytes,
+                      "near_cache_capacity_bytes": c.near_capacity if self.cluster else 0,
                       "hit_ratio": round(c.stats.hits / reads, 4) if reads else None},
             "dirty": {"files": len(dirty), "bytes": sum(lf.size for lf in dirty),
                       "oldest_age_seconds": None if oldest is None
@@ -157,6 +167,7 @@ class Daemon:
             "writeback": {"uploaded_files": self.writeback.uploaded_files,
                           "failed_uploads": self.writeback.failed_uploads},
             "s3": self.store.stats.as_dict(),
+            "cluster": self.cluster.status() if self.cluster else None,
         }
 
     async def handle_control(self, req: dict[str, Any], uid: int) -> dict[str, Any]:
@@ -207,6 +218,12 @@ class Daemon:
     async def _main(self, ready: Any) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.chunks.run)
+            if self.cluster is not None:
+                # Join before mounting: a refused secret or a taken node id is a start-up
+                # error, and nothing is mounted yet.
+                await self.cluster.start(nursery)
+            pyfuse3.init(self.ops, self.mountpoint, mount_options(self.cfg.allow_other))
+            self._mounted = True
             nursery.start_soon(self.writeback.run)
             nursery.start_soon(self._signals)
             nursery.start_soon(self._after_init)
@@ -223,17 +240,24 @@ class Daemon:
             except ObjcacheError as e:
                 log.error("dirty files could not be uploaded before exit; they stay in the "
                           "cache dir and upload on the next mount: %s", e)
+            if self.cluster is not None:
+                await self.cluster.leave()
             nursery.cancel_scope.cancel()
 
     def run(self, ready: Any) -> None:
-        pyfuse3.init(self.ops, self.mountpoint,
-                     mount_options(self.cfg.allow_other))
+        self._mounted = False
         clean = False
         try:
             trio.run(self._main, ready)
             clean = True
+        except BaseExceptionGroup as eg:
+            err = unwrap(eg)
+            if isinstance(err, UserError):  # e.g. the cluster refused our secret at start-up
+                raise err from None
+            raise
         finally:
-            pyfuse3.close(unmount=True)
+            if self._mounted:
+                pyfuse3.close(unmount=True)
             self.local.close()
             self.chunks.flush_atimes()
             self.db.close()

@@ -75,6 +75,21 @@ class StoreUnavailable(StoreError):
     """The object store could not be reached within the retry budget."""
 
 
+class PeerError(ObjcacheError):
+    """A peer could not answer (unreachable, timed out, closed, or failed). Readers fall back
+    to another owner or to S3; it reaches a FUSE reply only as EIO if everything failed."""
+
+    errno = errno.EIO
+
+
+class ProtocolError(PeerError):
+    """A peer sent something that is not a valid frame or message: drop the connection."""
+
+
+class AuthError(ProtocolError):
+    """A peer does not hold the cluster secret (or we do not hold its)."""
+
+
 class UserError(Exception):
     """A CLI-level error: printed as one line, then the command exits with `exit_code`."""
 

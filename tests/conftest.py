@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.cluster import Cluster
 from tests.helpers.mount import Mount
+from tests.helpers.s3proxy import CountingProxy
 from tests.helpers.seaweed import SeaweedFS
 
 _bucket_seq = itertools.count()
@@ -61,3 +63,20 @@ def mount(mounts: list[Mount], seaweed: SeaweedFS, bucket: str, tmp_path: Path):
         mounts.append(m)
         return m.start() if start else m
     return make
+
+
+@pytest.fixture
+def proxy(seaweed: SeaweedFS) -> Iterator[CountingProxy]:
+    """A counting proxy in front of SeaweedFS: daemons that use it have their S3 traffic
+    counted (object GETs and bytes)."""
+    p = CountingProxy(seaweed.port).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+def cluster(mounts: list[Mount], proxy: CountingProxy, bucket: str,
+            tmp_path: Path) -> Cluster:
+    return Cluster(proxy.endpoint, bucket, tmp_path, mounts)

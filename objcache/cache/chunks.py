@@ -13,17 +13,45 @@ import logging
 import os
 import shutil
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from objcache.cache.statedb import StateDB
+from objcache.errors import StaleObject
 
 if TYPE_CHECKING:
     from objcache.store import ObjectStore
+
+
+class ChunkPeers(Protocol):
+    """Where chunks live in a cluster (implemented by objcache.cluster.node). Methods that
+    talk to a peer return None when it could not answer, and the cache falls back to S3."""
+
+    def owner(self, key: str, etag: str, idx: int) -> str | None:
+        """The node that owns a chunk, or None when it is this node."""
+        ...
+
+    async def read(self, owner: str, key: str, etag: str, obj_size: int, idx: int,
+                   start: int, length: int) -> bytes | None: ...
+
+    async def fetch(self, owner: str, key: str, etag: str, obj_size: int, idx: int
+                    ) -> bytes | None:
+        """The whole chunk from `owner` (which fetches it from S3 if it must)."""
+        ...
+
+    async def from_previous(self, key: str, etag: str, obj_size: int, idx: int
+                            ) -> bytes | None:
+        """The whole chunk from a node that owned it before the ring changed, if one still
+        has it cached; never makes anyone fetch from S3."""
+        ...
+
+    def warm(self, owner: str, key: str, etag: str, obj_size: int, idxs: list[int]) -> None:
+        """Ask `owner` to start fetching these chunks (readahead), without waiting."""
+        ...
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +101,9 @@ class CacheStats:
         self.evictions = 0
         self.bytes_from_cache = 0
         self.bytes_from_s3 = 0
+        self.bytes_from_peers = 0  # read through peers, or chunks copied from a peer
+        self.peer_fallbacks = 0  # peer reads that failed and went to S3 instead
+        self.bytes_served_to_peers = 0
 
 
 class ChunkCache:
@@ -81,10 +112,12 @@ class ChunkCache:
     chunk_bytes: bytes held by cached chunks (and downloads in flight).
     local_bytes: bytes charged by the write-back store.
     evict_local: hook that drops one clean, unused local file and returns the bytes freed.
+    peers: chunk placement in a cluster; None on a single node (every chunk is ours).
+    near_capacity: bytes of other nodes' chunks kept here once they are read repeatedly.
     """
 
     def __init__(self, db: StateDB, root: Path, capacity: int, chunk_size: int,
-                 store: ObjectStore) -> None:
+                 store: ObjectStore, near_capacity: int = 0) -> None:
         self.db = db
         self.root = root
         self.capacity = capacity
@@ -94,6 +127,11 @@ class ChunkCache:
         self.chunk_bytes = 0
         self.local_bytes = 0
         self.evict_local: Callable[[], int] = lambda: 0
+        self.peers: ChunkPeers | None = None
+        self.near_capacity = near_capacity
+        self.near_bytes = 0
+        self._near: OrderedDict[ChunkId, None] = OrderedDict()  # LRU of near-cache chunks
+        self._remote_reads: OrderedDict[ChunkId, int] = OrderedDict()  # bytes read via peers
         self._lru: OrderedDict[ChunkId, Chunk] = OrderedDict()
         self._by_key: dict[str, set[ChunkId]] = {}
         self._fetching: dict[ChunkId, _Fetch] = {}
@@ -207,6 +245,8 @@ class ChunkCache:
             ch = self._lru.get(cid)
             if ch is not None:
                 self._lru.move_to_end(cid)
+                if cid in self._near:
+                    self._near.move_to_end(cid)
                 ch.atime = time.time()
                 self._touched.add(ch.id)
                 return ch
@@ -220,12 +260,19 @@ class ChunkCache:
                 return None
             # else: loop and pick it up from the LRU (also covers a cancelled fetcher)
 
-    async def _download(self, cid: ChunkId, obj_size: int) -> Chunk | None:
+    async def _download(self, cid: ChunkId, obj_size: int, near_from: str | None = None
+                        ) -> Chunk | None:
+        """Fetch a chunk into the cache: from a previous owner if one still has it, else
+        from S3; or, for the near-cache, from its owner `near_from`."""
         key, etag, idx = cid
         size = self.chunk_len(obj_size, idx)
         fetch = _Fetch()
         self._fetching[cid] = fetch
         try:
+            if near_from is not None:
+                while self._near and self.near_bytes + size > self.near_capacity:
+                    self._remove(self._lru[next(iter(self._near))])
+                    self.stats.evictions += 1
             if not self.make_room(size):
                 self.stats.bypass += 1
                 return None
@@ -235,13 +282,13 @@ class ChunkCache:
                 tmp = str(self.root / "tmp" / f"{self._tmp_seq}")
                 fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
                 try:
-                    await self.store.get_range_into(key, etag, idx * self.chunk_size, size,
-                                                    fd, 0)
+                    if not await self._fill(fd, cid, obj_size, size, near_from):
+                        os.unlink(tmp)
+                        return None
                 finally:
                     os.close(fd)
             finally:
                 self.chunk_bytes -= size
-            self.stats.bytes_from_s3 += size
             now = time.time()
             cur = self.db.execute(
                 "INSERT OR REPLACE INTO chunks (key, etag, idx, size, atime) "
@@ -252,6 +299,9 @@ class ChunkCache:
             os.rename(tmp, path)
             ch = Chunk(id_, key, etag, idx, size, now, path)
             self._insert(ch)
+            if near_from is not None:
+                self._near[cid] = None
+                self.near_bytes += size
             fetch.result = ch
             return ch
         except Exception as e:
@@ -260,6 +310,31 @@ class ChunkCache:
         finally:
             del self._fetching[cid]
             fetch.done.set()
+
+    async def _fill(self, fd: int, cid: ChunkId, obj_size: int, size: int,
+                    near_from: str | None) -> bool:
+        key, etag, idx = cid
+        data: bytes | None = None
+        if near_from is not None:
+            assert self.peers is not None
+            data = await self.peers.fetch(near_from, key, etag, obj_size, idx)
+            if data is None:
+                return False
+        elif self.peers is not None:
+            data = await self.peers.from_previous(key, etag, obj_size, idx)
+        if data is None:
+            await self.store.get_range_into(key, etag, idx * self.chunk_size, size, fd, 0)
+            self.stats.bytes_from_s3 += size
+            return True
+        if len(data) != size:
+            raise StaleObject(f"a peer sent {len(data)} bytes for chunk {idx} of {key!r}, "
+                              f"expected {size}")
+        view = memoryview(data)
+        done = 0
+        while done < size:
+            done += os.pwrite(fd, view[done:], done)
+        self.stats.bytes_from_peers += size
+        return True
 
     async def read(self, key: str, etag: str, obj_size: int, offset: int, length: int) -> bytes:
         """Bytes [offset, offset+length) of an object version, through the cache."""
@@ -273,6 +348,14 @@ class ChunkCache:
                 self.stats.hits += 1
             else:
                 self.stats.misses += 1
+                owner = self.peers.owner(key, etag, idx) if self.peers is not None else None
+                if owner is not None:
+                    data = await self._read_remote(owner, key, etag, obj_size, idx,
+                                                   offset - idx * cs, n)
+                    if data is not None:
+                        parts.append(data)
+                        offset += n
+                        continue
             ch = await self.ensure(key, etag, obj_size, idx)
             if ch is None:
                 data = await self.store.get_range(key, etag, offset, n)
@@ -284,12 +367,83 @@ class ChunkCache:
             offset += n
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    async def _read_remote(self, owner: str, key: str, etag: str, obj_size: int, idx: int,
+                           start: int, length: int) -> bytes | None:
+        assert self.peers is not None
+        data = await self.peers.read(owner, key, etag, obj_size, idx, start, length)
+        if data is None:
+            self.stats.peer_fallbacks += 1
+            return None
+        self.stats.bytes_from_peers += len(data)
+        # A remote chunk read more than once over (a second epoch, a re-read the page
+        # cache lost) is hot: keep a copy in the near-cache.
+        cid = (key, etag, idx)
+        seen = self._remote_reads.pop(cid, 0) + len(data)
+        if (self.near_capacity and seen > self.chunk_len(obj_size, idx)
+                and self._nursery is not None and cid not in self._fetching):
+            self._nursery.start_soon(self._near_one, owner, cid, obj_size)
+        else:
+            self._remote_reads[cid] = seen
+            if len(self._remote_reads) > 4096:
+                self._remote_reads.popitem(last=False)
+        return data
+
+    async def _near_one(self, owner: str, cid: ChunkId, obj_size: int) -> None:
+        if cid in self._lru or cid in self._fetching:
+            return
+        try:
+            await self._download(cid, obj_size, near_from=owner)
+        except Exception as e:  # best effort, like readahead
+            log.debug("near-cache copy of %r chunk %d failed: %s", cid[0], cid[2], e)
+
+    async def serve(self, key: str, etag: str, obj_size: int, idx: int, start: int,
+                    length: int) -> bytes:
+        """Bytes of one chunk for a peer, from this node's cache (fetched from S3 or a
+        previous owner if missing: never forwarded to another owner, so no loops)."""
+        length = max(0, min(length, self.chunk_len(obj_size, idx) - start))
+        ch = await self.ensure(key, etag, obj_size, idx)
+        if ch is None:  # no room: pass the bytes through
+            data = await self.store.get_range(key, etag, idx * self.chunk_size + start, length)
+            self.stats.bytes_from_s3 += len(data)
+        else:
+            data = _pread(ch.path, length, start)
+        self.stats.bytes_served_to_peers += len(data)
+        return data
+
+    def cached_chunk(self, key: str, etag: str, idx: int) -> bytes | None:
+        """The whole chunk if this node has it, without fetching."""
+        ch = self._lru.get((key, etag, idx))
+        if ch is None:
+            return None
+        data = _pread(ch.path, ch.size, 0)
+        self.stats.bytes_served_to_peers += len(data)
+        return data
+
     def prefetch(self, key: str, etag: str, obj_size: int, first: int, count: int) -> None:
-        """Start background downloads of chunks first..first+count-1 (readahead)."""
+        """Start background downloads of chunks first..first+count-1 (readahead). In a
+        cluster each owner is asked to fetch its own chunks, all owners at once."""
+        last = (obj_size - 1) // self.chunk_size
+        remote: dict[str, list[int]] = defaultdict(list)
+        local: list[int] = []
+        for idx in range(first, min(first + count, last + 1)):
+            cid = (key, etag, idx)
+            if cid in self._lru or cid in self._fetching:
+                continue
+            owner = self.peers.owner(key, etag, idx) if self.peers is not None else None
+            if owner is None:
+                local.append(idx)
+            else:
+                remote[owner].append(idx)
+        self.prefetch_local(key, etag, obj_size, local)
+        if self.peers is not None:
+            for owner, idxs in remote.items():
+                self.peers.warm(owner, key, etag, obj_size, idxs)
+
+    def prefetch_local(self, key: str, etag: str, obj_size: int, idxs: list[int]) -> None:
+        """Start background downloads of these chunks into this node's cache."""
         if self._nursery is None:
             return
-        last = (obj_size - 1) // self.chunk_size
-        for idx in range(first, min(first + count, last + 1)):
+        for idx in idxs:
             cid = (key, etag, idx)
             if cid in self._lru or cid in self._fetching:
                 continue
@@ -328,6 +482,9 @@ class ChunkCache:
     def _remove_index_only(self, ch: Chunk) -> None:
         cid = (ch.key, ch.etag, ch.idx)
         del self._lru[cid]
+        if cid in self._near:
+            del self._near[cid]
+            self.near_bytes -= ch.size
         ids = self._by_key[ch.key]
         ids.discard(cid)
         if not ids:

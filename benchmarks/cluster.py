@@ -1,0 +1,87 @@
+"""Cluster figures for docs/benchmarks.md: a 1 GiB file read through a 3-node cluster
+(separate daemon processes on 127.0.0.1, SeaweedFS behind a counting proxy).
+
+- cold: node 0 reads it first; every chunk is fetched from S3 once, by its owner;
+- peers: nodes 1 and 2 then read it (page cache dropped), served by the owners' caches;
+- single node cold: a standalone mount with an empty cache, for the same-run ratio;
+- boto3: 8 threads of 8 MiB ranged GETs, the S3 ceiling;
+- S3 bytes fetched in total for the three cluster reads.
+
+Run: .venv/bin/python -m benchmarks.cluster   (starts its own SeaweedFS on 127.0.0.1)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.single_node import GiB, MiB, boto3_download, drop_page_cache, read_file
+from tests.helpers.cluster import Cluster
+from tests.helpers.mount import Mount
+from tests.helpers.s3proxy import CountingProxy
+from tests.helpers.seaweed import SeaweedFS
+
+
+def main() -> None:
+    work = Path(tempfile.mkdtemp(prefix="objcache-bench-"))
+    weed = SeaweedFS(work)
+    weed.start()
+    proxy = CountingProxy(weed.port).start()
+    mounts: list[Mount] = []
+    r: dict[str, float] = {}
+    try:
+        s3 = weed.client()
+        s3.create_bucket(Bucket="bench")
+        src = work / "src.bin"
+        with open(src, "wb") as f:
+            for _ in range(GiB // (64 * MiB)):
+                f.write(os.urandom(64 * MiB))
+        s3.upload_file(str(src), "bench", "model.bin")
+        src.unlink()
+        r["boto3_parallel_get_s"] = boto3_download(s3, "bench", "model.bin", GiB)
+
+        cluster = Cluster(proxy.endpoint, "bench", work, mounts)
+        nodes = [cluster.add("--cache-size", "4G", "--log-level", "info") for _ in range(3)]
+        cluster.wait_members(nodes, 3)
+        proxy.reset()
+        drop_page_cache()
+        r["cluster_cold_read_s"] = read_file(nodes[0].mnt / "model.bin")
+        r["s3_bytes_after_cold"] = proxy.get_object_bytes
+        for i in (1, 2):
+            drop_page_cache()
+            r[f"peer_read_node{i}_s"] = read_file(nodes[i].mnt / "model.bin")
+        r["s3_bytes_three_reads"] = proxy.get_object_bytes
+        r["s3_gets_three_reads"] = proxy.requests["GET_OBJECT"]
+        st = [n.status() for n in nodes]
+        r["chunks_per_node"] = [s["cache"]["chunks"] for s in st]  # type: ignore[assignment]
+        for n in nodes:
+            n.stop()
+
+        single = Mount(proxy.endpoint, "bench", work / "mnt-single", work / "cache-single",
+                       "--cache-size", "4G", "--log-level", "info")
+        mounts.append(single)
+        single.start()
+        drop_page_cache()
+        r["single_cold_read_s"] = read_file(single.mnt / "model.bin")
+    finally:
+        for m in mounts:
+            m.stop()
+        proxy.stop()
+        weed.stop()
+    gb = GiB / 1e9
+    print(json.dumps(r, indent=2))
+    print(f"boto3 8x8MiB ranged GETs    {gb / r['boto3_parallel_get_s']:.2f} GB/s")
+    print(f"single node, cold           {gb / r['single_cold_read_s']:.2f} GB/s")
+    print(f"3-node cluster, cold        {gb / r['cluster_cold_read_s']:.2f} GB/s")
+    for i in (1, 2):
+        print(f"3-node cluster, from peers  {gb / r[f'peer_read_node{i}_s']:.2f} GB/s "
+              f"(node {i})")
+    print(f"S3 bytes for 3 reads of 1 GiB: {r['s3_bytes_three_reads'] / MiB:.0f} MiB in "
+          f"{r['s3_gets_three_reads']} GETs; chunks per node {r['chunks_per_node']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""This daemon as a cluster member: the peer server, the connection pool, membership, and
+the chunk placement the chunk cache asks (`ChunkPeers`).
+
+Requests this node serves: membership (join, ping, leave) and chunks (read a range of a
+chunk the caller says we own, copy a whole chunk, warm chunks ahead of a reader). Every
+field of a request is checked; a request that does not parse is a protocol error and
+drops the connection. A peer that fails to answer is routed around and the read falls
+back to S3: a dead peer costs GETs, never a failed read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import time
+from collections import defaultdict
+from typing import Any
+
+import trio
+
+from objcache.cache.chunks import ChunkCache
+from objcache.cluster.membership import Member, Membership
+from objcache.cluster.peers import PeerPool, PeerServer, split_addr
+from objcache.cluster.ring import chunk_point
+from objcache.config import MountConfig
+from objcache.errors import PeerError, ProtocolError, UserError
+
+log = logging.getLogger(__name__)
+
+MIN_SECRET_BYTES = 16
+MAX_OBJECT_SIZE = 5 << 40  # S3's limit; anything larger in a request is garbage
+
+
+def load_secret(path: str | None) -> bytes:
+    if not path:
+        raise UserError("--listen needs --cluster-secret-file (the shared cluster key)")
+    try:
+        with open(path, "rb") as f:
+            key = f.read().strip()
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise UserError(f"cluster secret file {path} is not readable: {e.strerror}") from None
+    if len(key) < MIN_SECRET_BYTES:
+        raise UserError(f"cluster secret file {path} holds {len(key)} bytes; use at least "
+                        f"{MIN_SECRET_BYTES} random bytes (e.g. openssl rand -hex 32)")
+    if mode & (stat.S_IROTH | stat.S_IWOTH):
+        log.warning("cluster secret file %s is readable by other users", path)
+    return key
+
+
+def bind_listener(addr: str) -> socket.socket:
+    """Bind the peer port before mounting, so a taken port is a clear start-up error."""
+    try:
+        host, port = split_addr(addr)
+    except ValueError as e:
+        raise UserError(f"invalid --listen: {e}") from None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, sockaddr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError as e:
+        raise UserError(f"cannot listen on {addr}: {e.strerror or e}") from None
+    return sock
+
+
+def _str(msg: dict[str, Any], name: str) -> str:
+    v = msg.get(name)
+    if not isinstance(v, str):
+        raise ProtocolError(f"request field {name!r} is not a string")
+    return v
+
+
+def _int(msg: dict[str, Any], name: str, lo: int, hi: int) -> int:
+    v = msg.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ProtocolError(f"request field {name!r} is not an integer in [{lo}, {hi}]")
+    return v
+
+
+class ClusterNode:
+    def __init__(self, cfg: MountConfig, key: bytes, chunks: ChunkCache,
+                 sock: socket.socket) -> None:
+        assert cfg.listen
+        self.node_id = cfg.node_id or cfg.listen
+        self.listen = cfg.listen
+        self.chunks = chunks
+        self.chunk_size = chunks.chunk_size
+        # Requests wait as long as an owner may need to fetch from S3; a peer that stops
+        # answering heartbeats has its requests cancelled sooner (on_suspect below).
+        self.request_timeout = cfg.s3_retry_seconds + 10
+        self.pool = PeerPool(key, self.node_id)
+        seeds = [p.strip() for p in (cfg.peers or "").split(",") if p.strip()]
+        me = Member(self.node_id, cfg.listen, cfg.cache_size, time.time_ns())
+        self.membership = Membership(me, seeds, self.pool, cfg.peer_timeout,
+                                     used=lambda: chunks.used)
+        self.membership.on_suspect = self._cancel_requests_to
+        self._sock = sock
+        self.server = PeerServer(key, self._handle)
+        self._inflight: dict[str, set[trio.CancelScope]] = defaultdict(set)
+        self._nursery: trio.Nursery | None = None
+        chunks.peers = self
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Serve peers, then join the cluster (raises UserError if the secret is refused)."""
+        self._nursery = nursery
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock))
+        await nursery.start(trio.serve_listeners, self.server.serve_one, [listener])
+        await self.membership.join()
+        nursery.start_soon(self.membership.run)
+
+    async def leave(self) -> None:
+        await self.membership.leave()
+        await self.pool.aclose()
+
+    # -- serving peers --------------------------------------------------------------------
+
+    def _chunk_args(self, msg: dict[str, Any]) -> tuple[str, str, int, int]:
+        key, etag = _str(msg, "key"), _str(msg, "etag")
+        size = _int(msg, "size", 0, MAX_OBJECT_SIZE)
+        idx = _int(msg, "idx", 0, max(0, (size - 1) // self.chunk_size))
+        return key, etag, size, idx
+
+    async def _handle(self, peer: str, msg: dict[str, Any]
+                      ) -> tuple[dict[str, Any], bytes | None]:
+        op = msg.get("op")
+        if op in ("join", "ping", "leave"):
+            return self.membership.handle(peer, msg), None
+        if op == "read":
+            key, etag, size, idx = self._chunk_args(msg)
+            start = _int(msg, "start", 0, self.chunk_size)
+            length = _int(msg, "len", 0, self.chunk_size)
+            data = await self.chunks.serve(key, etag, size, idx, start, length)
+            return {"data": len(data)}, data
+        if op == "chunk":
+            key, etag, size, idx = self._chunk_args(msg)
+            if msg.get("cached_only"):
+                data = self.chunks.cached_chunk(key, etag, idx)
+                if data is None:
+                    return {"cached": False}, None
+            else:
+                data = await self.chunks.serve(key, etag, size, idx, 0, self.chunk_size)
+            return {"data": len(data)}, data
+        if op == "warm":
+            key, etag, size, _ = self._chunk_args(msg)
+            idxs = msg.get("idxs")
+            last = max(0, (size - 1) // self.chunk_size)
+            if (not isinstance(idxs, list) or len(idxs) > 1024
+                    or not all(isinstance(i, int) and 0 <= i <= last for i in idxs)):
+                raise ProtocolError("request field 'idxs' is not a list of chunk indexes")
+            self.chunks.prefetch_local(key, etag, size, idxs)
+            return {}, None
+        raise ProtocolError(f"unknown request {op!r:.50} from {peer}")
+
+    # -- ChunkPeers: what the chunk cache asks ---------------------------------------------
+
+    def owner(self, key: str, etag: str, idx: int) -> str | None:
+        node = self.membership.owner(chunk_point(key, etag, idx))
+        return None if node == self.node_id else node
+
+    def _cancel_requests_to(self, node: str) -> None:
+        for scope in self._inflight.pop(node, ()):
+            scope.cancel()
+
+    async def _call(self, node: str, msg: dict[str, Any], max_data: int, timeout: float
+                    ) -> tuple[dict[str, Any], bytearray | None] | None:
+        """A request to a member; None (and the member routed around) if it cannot answer.
+        A reply that is an error the peer reported (it answered) is raised or, when it
+        is not about the object, treated as unanswered without suspecting the peer."""
+        addr = self.membership.addr_of(node)
+        if addr is None:
+            return None
+        scope = trio.CancelScope()
+        self._inflight[node].add(scope)
+        try:
+            with scope:
+                return await self.pool.request(addr, msg, timeout=timeout, max_data=max_data)
+            log.info("request %r to %s abandoned: the peer stopped answering", msg["op"], node)
+            return None
+        except PeerError as e:
+            if getattr(e, "code", None) is None:
+                self.membership.suspect(node)
+            log.info("peer %s could not serve %r, falling back: %s", node, msg["op"], e)
+            return None
+        finally:
+            self._inflight.get(node, set()).discard(scope)
+
+    async def read(self, owner: str, key: str, etag: str, obj_size: int, idx: int,
+                   start: int, length: int) -> bytes | None:
+        got = await self._call(owner, {"op": "read", "key": key, "etag": etag,
+                                       "size": obj_size, "idx": idx, "start": start,
+                                       "len": length},
+                               max_data=length, timeout=self.request_timeout)
+        return None if got is None or got[1] is None else bytes(got[1])
+
+    async def fetch(self, owner: str, key: str, etag: str, obj_size: int, idx: int
+                    ) -> bytes | None:
+        got = await self._call(owner, {"op": "chunk", "key": key, "etag": etag,
+                                       "size": obj_size, "idx": idx},
+                               max_data=self.chunk_size, timeout=self.request_timeout)
+        return None if got is None else got[1]  # type: ignore[return-value]
+
+    async def from_previous(self, key: str, etag: str, obj_size: int, idx: int
+                            ) -> bytes | None:
+        for m in self.membership.previous_owners(chunk_point(key, etag, idx)):
+            got = await self._call(m.id, {"op": "chunk", "key": key, "etag": etag,
+                                          "size": obj_size, "idx": idx, "cached_only": True},
+                                   max_data=self.chunk_size, timeout=self.request_timeout)
+            if got is not None and got[1] is not None:
+                log.debug("chunk %d of %r came from previous owner %s", idx, key, m.id)
+                return got[1]  # type: ignore[return-value]
+        return None
+
+    def warm(self, owner: str, key: str, etag: str, obj_size: int, idxs: list[int]) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(self._call, owner,
+                                     {"op": "warm", "key": key, "etag": etag, "size": obj_size,
+                                      "idx": idxs[0], "idxs": idxs}, 0, 5.0)
+
+    # -- status ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "listen": self.listen,
+                "members": self.membership.status(), "ring_changes": self.membership.changes,
+                "peer_requests_sent": self.pool.requests,
+                "peer_request_failures": self.pool.failures,
+                "peer_connections_open": self.server.connections,
+                "peer_connections_rejected": self.server.rejected}

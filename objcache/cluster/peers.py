@@ -1,0 +1,212 @@
+"""Peer connections: the authenticated server loop and the client connection pool.
+
+The server authenticates each connection, then answers one request at a time on it; a
+peer that sends garbage, a wrong secret, an oversized frame or nothing at all within the
+handshake timeout is logged and dropped, and nothing it did reaches the rest of the
+daemon. The client keeps a pool of authenticated connections per peer address and reuses
+them; a connection that failed is closed, never returned to the pool.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from objcache.cluster.wire import FrameStream, client_handshake, server_handshake
+from objcache.errors import NotFound, PeerError, ProtocolError, StaleObject
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 5.0
+CONNECT_TIMEOUT = 2.0
+IDLE_TIMEOUT = 300.0  # server side: an authenticated connection silent this long is closed
+MAX_CONNECTIONS = 1024
+MAX_IDLE_PER_PEER = 16
+
+# A request handler gets (peer node id, message) and returns (reply, optional data).
+Handler = Callable[[str, dict[str, Any]], Awaitable[tuple[dict[str, Any], bytes | None]]]
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"invalid address {addr!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class PeerServer:
+    """Serves authenticated peer connections (handed to it by trio.serve_listeners)."""
+
+    def __init__(self, key: bytes, handler: Handler) -> None:
+        self.key = key
+        self.handler = handler
+        self.connections = 0
+        self.rejected = 0
+
+    async def serve_one(self, stream: trio.SocketStream) -> None:
+        fs = FrameStream(stream)
+        if self.connections >= MAX_CONNECTIONS:
+            log.warning("refusing peer connection from %s: %d connections open", fs.remote,
+                        self.connections)
+            await stream.aclose()
+            return
+        self.connections += 1
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                node = await server_handshake(fs, self.key)
+            while True:
+                with trio.move_on_after(IDLE_TIMEOUT) as idle:
+                    msg = await fs.recv_msg()
+                if idle.cancelled_caught:
+                    return
+                reply, data = await self._dispatch(node, msg)
+                await fs.send_msg(reply, data)
+        except trio.TooSlowError:
+            self.rejected += 1
+            log.warning("dropped peer connection from %s: no handshake within %.0fs",
+                        fs.remote, HANDSHAKE_TIMEOUT)
+        except ProtocolError as e:
+            self.rejected += 1
+            log.warning("dropped peer connection: %s", e)
+        except (PeerError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the peer went away
+        finally:
+            self.connections -= 1
+            await stream.aclose()
+
+    async def _dispatch(self, node: str, msg: dict[str, Any]
+                        ) -> tuple[dict[str, Any], bytes | None]:
+        try:
+            return await self.handler(node, msg)
+        except ProtocolError:
+            raise
+        except Exception as e:
+            # A failure to serve one request (S3 down, a bug) is that request's error; the
+            # connection and the daemon carry on.
+            code = ("notfound" if isinstance(e, NotFound) else
+                    "stale" if isinstance(e, StaleObject) else "failed")
+            if code == "failed":
+                log.warning("peer request %r from %s failed: %s", msg.get("op"), node, e,
+                            exc_info=not isinstance(e, PeerError | OSError))
+            return {"error": code, "msg": str(e)}, None
+
+
+class _Conn:
+    __slots__ = ("fs", "reused")
+
+    def __init__(self, fs: FrameStream) -> None:
+        self.fs = fs
+        self.reused = False
+
+
+class PeerPool:
+    """Authenticated, pooled connections to peers, by address."""
+
+    def __init__(self, key: bytes, node_id: str) -> None:
+        self.key = key
+        self.node_id = node_id
+        self._idle: dict[str, list[_Conn]] = {}
+        self.requests = 0
+        self.failures = 0
+
+    async def _connect(self, addr: str) -> _Conn:
+        host, port = split_addr(addr)
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT):
+                stream = await trio.open_tcp_stream(host, port)
+        except trio.TooSlowError:
+            raise PeerError(f"connecting to peer {addr} timed out") from None
+        except OSError as e:
+            raise PeerError(f"cannot connect to peer {addr}: "
+                            f"{e.strerror or errno.errorcode.get(e.errno or 0, e)}") from None
+        fs = FrameStream(stream)
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                await client_handshake(fs, self.key, self.node_id)
+        except BaseException as e:
+            await _close(fs)
+            if isinstance(e, trio.TooSlowError):
+                raise PeerError(f"peer {addr} did not complete the handshake") from None
+            if isinstance(e, trio.BrokenResourceError | OSError):
+                raise PeerError(f"peer {addr} closed the connection during the handshake") \
+                    from None
+            raise
+        return _Conn(fs)
+
+    async def request(self, addr: str, msg: dict[str, Any], *, timeout: float,
+                      max_data: int = 0) -> tuple[dict[str, Any], bytearray | None]:
+        """Send one request and return (reply, data). Raises PeerError (AuthError,
+        ProtocolError) when the peer cannot answer, and the reply's error when it failed."""
+        self.requests += 1
+        for attempt in range(2):
+            idle = self._idle.get(addr)
+            conn = idle.pop() if idle else await self._connect(addr)
+            try:
+                with trio.fail_after(timeout):
+                    await conn.fs.send_msg(msg)
+                    reply = await conn.fs.recv_msg()
+                    data = None
+                    size = reply.get("data")
+                    if size is not None:
+                        if not isinstance(size, int) or not 0 <= size <= max_data:
+                            raise ProtocolError(f"peer {addr} offered {size!r} data bytes "
+                                                f"(limit {max_data})")
+                        data = await conn.fs.recv_data(size)
+            except trio.TooSlowError:
+                await _close(conn.fs)
+                self.failures += 1
+                raise PeerError(f"peer {addr} did not answer {msg.get('op')!r} within "
+                                f"{timeout:.1f}s") from None
+            except (PeerError, trio.BrokenResourceError, trio.ClosedResourceError,
+                    OSError) as e:
+                await _close(conn.fs)
+                if conn.reused and attempt == 0 and not isinstance(e, ProtocolError):
+                    continue  # the peer closed an idle pooled connection: use a fresh one
+                self.failures += 1
+                if isinstance(e, PeerError):
+                    raise
+                raise PeerError(f"connection to peer {addr} failed: {e}") from None
+            conn.reused = True
+            pool = self._idle.setdefault(addr, [])
+            if len(pool) < MAX_IDLE_PER_PEER:
+                pool.append(conn)
+            else:
+                await _close(conn.fs)
+            if "error" in reply:
+                raise _remote_error(addr, reply)
+            return reply, data
+        raise AssertionError("unreachable")
+
+    async def forget(self, addr: str) -> None:
+        """Close the idle connections to a peer that left or died."""
+        for conn in self._idle.pop(addr, []):
+            await _close(conn.fs)
+
+    async def aclose(self) -> None:
+        for addr in list(self._idle):
+            await self.forget(addr)
+
+
+def _remote_error(addr: str, reply: dict[str, Any]) -> Exception:
+    text = f"peer {addr}: {reply.get('msg') or reply.get('error')}"
+    code = reply.get("error")
+    if code == "notfound":
+        return NotFound(text)
+    if code == "stale":
+        return StaleObject(text)
+    err = PeerError(text)
+    err.code = code  # type: ignore[attr-defined]  # e.g. "conflict", for the caller to tell
+    return err
+
+
+async def _close(fs: FrameStream) -> None:
+    with trio.move_on_after(1) as scope:
+        scope.shield = True
+        try:
+            await fs.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass

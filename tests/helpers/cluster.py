@@ -1,0 +1,57 @@
+"""A cluster of objcache daemons as separate processes on 127.0.0.1 (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+from tests.helpers.mount import Mount
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster:
+    """objcache daemons as separate processes on 127.0.0.1, sharing one bucket and secret,
+    each with its own mountpoint, cache dir and peer port."""
+
+    def __init__(self, endpoint: str, bucket: str, root: Path, mounts: list[Mount]) -> None:
+        self.endpoint, self.bucket, self.root, self._mounts = endpoint, bucket, root, mounts
+        self.secret = root / "cluster.key"
+        self.secret.write_text(os.urandom(32).hex())
+        self.secret.chmod(0o600)
+        self.nodes: list[Mount] = []
+        self.addrs: list[str] = []
+
+    def add(self, *extra: str, secret: Path | None = None, start: bool = True) -> Mount:
+        i = len(self.nodes)
+        addr = f"127.0.0.1:{free_port()}"
+        peers = ",".join(self.addrs)
+        flags = ["--listen", addr, "--cluster-secret-file", str(secret or self.secret),
+                 "--cache-size", "1G", "--peer-timeout", "3", *extra]
+        if peers:
+            flags += ["--peers", peers]
+        m = Mount(self.endpoint, self.bucket, self.root / f"mnt{i}", self.root / f"cache{i}",
+                  *flags)
+        m.addr = addr  # type: ignore[attr-defined]
+        self._mounts.append(m)
+        self.nodes.append(m)
+        self.addrs.append(addr)
+        return m.start() if start else m
+
+    def wait_members(self, nodes: list[Mount], alive: int, timeout: float = 20) -> None:
+        """Until every node in `nodes` sees `alive` live members (itself included)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            counts = [sum(1 for m in n.status()["cluster"]["members"]
+                          if m["state"] in ("self", "alive", "suspect")) for n in nodes]
+            if all(c == alive for c in counts):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"members seen: {counts}, wanted {alive} each")
+            time.sleep(0.2)

@@ -1,0 +1,220 @@
+"""A cluster of objcache daemons (separate processes on 127.0.0.1, one SeaweedFS behind a
+counting proxy): chunks are striped across nodes, fetched from S3 once per cluster,
+served by their owners, and a dead, late or hostile peer never breaks a read."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+
+MIB = 1 << 20
+
+
+def _put_random(s3, bucket: str, key: str, size: int) -> str:  # type: ignore[no-untyped-def]
+    data = os.urandom(size)
+    s3.put_object(Bucket=bucket, Key=key, Body=data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _sha(path: os.PathLike[str] | str, pause_at: int = -1,
+         paused: threading.Event | None = None, resume: threading.Event | None = None) -> str:
+    h = hashlib.sha256()
+    done = 0
+    with open(path, "rb") as f:
+        while block := f.read(MIB):
+            h.update(block)
+            done += len(block)
+            if paused is not None and resume is not None and done == pause_at:
+                paused.set()
+                assert resume.wait(60)
+    return h.hexdigest()
+
+
+def _read_all(paths: list[os.PathLike[str]]) -> list[str]:
+    out: list[str] = [""] * len(paths)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            out[i] = _sha(paths[i])
+        except BaseException as e:  # reported by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(paths))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    return out
+
+
+def test_three_nodes_fetch_a_file_from_s3_once(s3, bucket, cluster, proxy):  # type: ignore
+    digest = _put_random(s3, bucket, "data/big.bin", 100 * MIB)
+    nodes = [cluster.add("--chunk-size", "8M") for _ in range(3)]
+    cluster.wait_members(nodes, 3)
+    proxy.reset()
+
+    digests = _read_all([n.mnt / "data" / "big.bin" for n in nodes])
+
+    assert digests == [digest] * 3
+    fetched = proxy.get_object_bytes
+    assert 100 * MIB <= fetched <= 100 * MIB + 2 * 8 * MIB, fetched / MIB
+    stats = [n.status() for n in nodes]
+    # Each of the 13 chunks is cached once in the cluster, every node holds some of them,
+    # and every node read the others from their owners.
+    assert sum(st["cache"]["chunks"] for st in stats) == 13, [st["cache"] for st in stats]
+    for st in stats:
+        assert st["cache"]["chunks"] >= 1, st["cache"]
+        assert st["cache"]["bytes_read_from_peers"] >= 8 * MIB, st["cache"]
+        assert st["cache"]["bytes_served_to_peers"] >= 8 * MIB, st["cache"]
+        shares = [m["ring_share"] for m in st["cluster"]["members"]]
+        assert len(shares) == 3 and abs(sum(shares) - 1) < 0.01 and min(shares) > 0.15
+    for n in nodes:
+        assert not n.errors_in_log(), n.errors_in_log()
+
+
+def test_kill9_of_a_node_mid_read_does_not_fail_reads(s3, bucket, cluster):  # type: ignore
+    digest = _put_random(s3, bucket, "model.bin", 96 * MIB)
+    nodes = [cluster.add("--chunk-size", "8M") for _ in range(3)]
+    cluster.wait_members(nodes, 3)
+    victim = nodes[2]
+    paused = [threading.Event(), threading.Event()]
+    resume = threading.Event()
+    results: list[str | BaseException] = ["", ""]
+
+    def reader(i: int) -> None:
+        try:
+            results[i] = _sha(nodes[i].mnt / "model.bin", 24 * MIB, paused[i], resume)
+        except BaseException as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    assert all(p.wait(60) for p in paused)
+    victim.kill9()  # owner of about a third of the chunks, some of them not read yet
+    t0 = time.monotonic()
+    resume.set()
+    for t in threads:
+        t.join(120)
+    assert results == [digest, digest], results
+    assert time.monotonic() - t0 < 60
+    # The survivors take the dead node off the ring after --peer-timeout.
+    cluster.wait_members(nodes[:2], 2)
+    st = nodes[0].status()["cluster"]["members"]
+    assert [m["state"] for m in st if m["addr"] == victim.addr] == ["dead"]  # type: ignore
+    # And the file stays readable through the two survivors (fresh page cache: reopen).
+    assert _read_all([n.mnt / "model.bin" for n in nodes[:2]]) == [digest, digest]
+
+
+def test_late_joiner_reads_without_refetching(s3, bucket, cluster, proxy):  # type: ignore
+    digest = _put_random(s3, bucket, "ds/shard.bin", 64 * MIB)
+    first = [cluster.add("--chunk-size", "8M") for _ in range(2)]
+    cluster.wait_members(first, 2)
+    assert _read_all([n.mnt / "ds" / "shard.bin" for n in first]) == [digest] * 2
+    assert proxy.get_object_bytes >= 64 * MIB
+    proxy.reset()
+
+    late = cluster.add("--chunk-size", "8M")
+    cluster.wait_members([*first, late], 3)
+    assert _read_all([late.mnt / "ds" / "shard.bin"]) == [digest]
+
+    assert proxy.get_object_bytes == 0, proxy.requests
+    st = late.status()["cache"]
+    # The late node took over its share of chunks from their previous owners.
+    assert st["chunks"] >= 1 and st["bytes_read_from_s3"] == 0, st
+
+
+def _refused(addr: str, payload: bytes) -> bool:
+    """Send `payload` to the peer port; True if the server closes the connection."""
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.settimeout(10)
+        try:
+            s.sendall(payload)
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        return True
+
+
+def test_wrong_secret_and_garbage_are_refused(s3, bucket, cluster, tmp_path):  # type: ignore
+    digest = _put_random(s3, bucket, "f.bin", 20 * MIB)
+    a = cluster.add("--chunk-size", "8M")
+    b = cluster.add("--chunk-size", "8M")
+    cluster.wait_members([a, b], 2)
+    addr = a.addr  # type: ignore[attr-defined]
+
+    # Garbage, a frame header announcing 4 GiB, and a silent client: all dropped.
+    t0 = time.monotonic()
+    assert _refused(addr, os.urandom(256 * 1024))
+    assert _refused(addr, struct.pack(">BI", 1, 0xFFFFFFFF))
+    assert _refused(addr, b"")
+    assert time.monotonic() - t0 < 30
+
+    # A daemon with another secret cannot join: a clear error and a non-zero exit.
+    bad = tmp_path / "bad.key"
+    bad.write_text(os.urandom(32).hex())
+    intruder = cluster.add("--chunk-size", "8M", secret=bad, start=False)
+    try:
+        intruder.start()
+        raise AssertionError("a node with the wrong secret mounted")
+    except AssertionError as e:
+        assert "cluster secret rejected" in str(e), str(e)
+
+    # Meanwhile the cluster kept serving.
+    assert _read_all([a.mnt / "f.bin", b.mnt / "f.bin"]) == [digest, digest]
+    st = a.status()["cluster"]
+    assert st["peer_connections_rejected"] >= 4, st
+    assert [m["state"] for m in st["members"]].count("alive") == 1
+
+
+def test_a_hung_peer_is_routed_around_and_comes_back(s3, bucket, cluster):  # type: ignore
+    digest = _put_random(s3, bucket, "f.bin", 48 * MIB)
+    nodes = [cluster.add("--chunk-size", "8M") for _ in range(3)]
+    cluster.wait_members(nodes, 3)
+    hung = nodes[2]
+    assert hung.proc is not None
+    os.kill(hung.proc.pid, signal.SIGSTOP)  # alive, connections accepted, never answers
+    try:
+        t0 = time.monotonic()
+        assert _read_all([nodes[0].mnt / "f.bin"]) == [digest]
+        assert time.monotonic() - t0 < 30
+        cluster.wait_members(nodes[:2], 2)
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
+    cluster.wait_members(nodes, 3)
+
+
+def _drop_file_pages(path: os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_hot_remote_chunks_are_kept_in_the_near_cache(s3, bucket, cluster):  # type: ignore
+    digest = _put_random(s3, bucket, "epoch.bin", 40 * MIB)
+    a, b = (cluster.add("--chunk-size", "8M") for _ in range(2))
+    cluster.wait_members([a, b], 2)
+    path = a.mnt / "epoch.bin"
+    for _ in range(2):  # two epochs, the page cache losing the file in between
+        assert _sha(path) == digest
+        _drop_file_pages(path)
+    remote = b.status()["cache"]["chunks"]
+    assert remote >= 1
+    deadline = time.monotonic() + 20
+    while a.status()["cache"]["near_cache_bytes"] < remote * 8 * MIB:
+        assert time.monotonic() < deadline, a.status()["cache"]
+        time.sleep(0.2)
+    before = a.status()["cache"]["bytes_read_from_peers"]
+    assert _sha(path) == digest  # the third epoch is served from a's own disk
+    assert a.status()["cache"]["bytes_read_from_peers"] == before

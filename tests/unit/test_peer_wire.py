@@ -1,0 +1,106 @@
+"""The peer protocol over real loopback TCP: handshake, pooled requests, bulk data, and
+what happens to wrong keys, garbage and oversized frames."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from typing import Any
+
+import pytest
+import trio
+
+from objcache.cluster.peers import PeerPool, PeerServer
+from objcache.errors import AuthError, NotFound, PeerError, ProtocolError
+
+KEY = b"k" * 32
+
+
+async def _handler(peer: str, msg: dict[str, Any]) -> tuple[dict[str, Any], bytes | None]:
+    if msg.get("op") == "data":
+        n = msg["n"]
+        return {"data": n, "peer": peer}, bytes(range(256)) * (n // 256)
+    if msg.get("op") == "missing":
+        raise NotFound("no such object")
+    if msg.get("op") == "bad":
+        raise ProtocolError("malformed request")
+    return {"echo": msg, "peer": peer}, None
+
+
+async def _serve(nursery: trio.Nursery) -> tuple[PeerServer, str]:
+    server = PeerServer(KEY, _handler)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    await nursery.start(trio.serve_listeners, server.serve_one, listeners)
+    return server, f"127.0.0.1:{port}"
+
+
+async def test_requests_reuse_one_authenticated_connection(nursery: trio.Nursery) -> None:
+    server, addr = await _serve(nursery)
+    pool = PeerPool(KEY, "node-a")
+    reply, data = await pool.request(addr, {"op": "hello", "x": [1, b"\x00"]}, timeout=5)
+    assert reply == {"echo": {"op": "hello", "x": [1, b"\x00"]}, "peer": "node-a"}
+    assert data is None
+    reply, data = await pool.request(addr, {"op": "data", "n": 4 << 20}, timeout=5,
+                                     max_data=4 << 20)
+    assert data == bytes(range(256)) * (4 << 12)
+    # A reported error does not cost the connection.
+    with pytest.raises(NotFound):
+        await pool.request(addr, {"op": "missing"}, timeout=5)
+    await pool.request(addr, {"op": "hello"}, timeout=5)
+    assert server.connections == 1
+    await pool.aclose()
+
+
+async def test_wrong_key_is_refused_both_ways(nursery: trio.Nursery) -> None:
+    server, addr = await _serve(nursery)
+    with pytest.raises(AuthError):
+        await PeerPool(b"x" * 32, "intruder").request(addr, {"op": "hello"}, timeout=5)
+    assert server.rejected == 1
+    # And the server keeps serving members.
+    await PeerPool(KEY, "node-a").request(addr, {"op": "hello"}, timeout=5)
+
+
+async def _raw(addr: str, payload: bytes) -> bytes:
+    host, port = addr.rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    got = b""
+    with trio.fail_after(10):
+        try:
+            await stream.send_all(payload)
+            while chunk := await stream.receive_some(65536):
+                got += chunk
+        except trio.BrokenResourceError:
+            pass
+    return got
+
+
+async def test_garbage_and_oversized_frames_are_dropped(nursery: trio.Nursery) -> None:
+    server, addr = await _serve(nursery)
+    await _raw(addr, os.urandom(100_000))  # returns: the server closed the connection
+    await _raw(addr, struct.pack(">BI", 1, 0xFFFFFFFF))
+    await _raw(addr, struct.pack(">BI", 2, 10) + b"0123456789")  # data before auth
+    assert server.rejected == 3
+    assert server.connections == 0
+    await PeerPool(KEY, "node-a").request(addr, {"op": "hello"}, timeout=5)
+
+
+async def test_client_limits_what_it_accepts(nursery: trio.Nursery) -> None:
+    server, addr = await _serve(nursery)
+    pool = PeerPool(KEY, "node-a")
+    with pytest.raises(ProtocolError):
+        await pool.request(addr, {"op": "data", "n": 1 << 20}, timeout=5, max_data=1024)
+    # A request the server cannot parse drops that connection only.
+    with pytest.raises(PeerError):
+        await pool.request(addr, {"op": "bad"}, timeout=5)
+    await pool.request(addr, {"op": "hello"}, timeout=5)
+
+
+async def test_unreachable_peer_is_a_peer_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Closed again: nothing listens there now.
+    with pytest.raises(PeerError, match="cannot connect"):
+        await PeerPool(KEY, "a").request(f"127.0.0.1:{port}", {"op": "x"}, timeout=2)
