@@ -15,7 +15,7 @@ import os
 import socket
 import stat
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 import trio
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MIN_SECRET_BYTES = 16
 MAX_OBJECT_SIZE = 5 << 40  # S3's limit; anything larger in a request is garbage
+WARM_AGAIN = 10.0  # seconds before the same chunk is worth warming at its owner again
 
 
 def load_secret(path: str | None) -> bytes:
@@ -103,6 +104,7 @@ class ClusterNode:
         self.server = PeerServer(key, self._handle)
         self._inflight: dict[str, set[trio.CancelScope]] = defaultdict(set)
         self._nursery: trio.Nursery | None = None
+        self._warmed: OrderedDict[tuple[str, str, int], float] = OrderedDict()
         chunks.peers = self
 
     async def start(self, nursery: trio.Nursery) -> None:
@@ -216,10 +218,20 @@ class ClusterNode:
         return None
 
     def warm(self, owner: str, key: str, etag: str, obj_size: int, idxs: list[int]) -> None:
-        if self._nursery is not None:
-            self._nursery.start_soon(self._call, owner,
-                                     {"op": "warm", "key": key, "etag": etag, "size": obj_size,
-                                      "idx": idxs[0], "idxs": idxs}, 0, 5.0)
+        # A sequential reader asks on every read; tell each owner about a chunk once.
+        now = time.monotonic()
+        fresh = [i for i in idxs if now - self._warmed.get((key, etag, i), -WARM_AGAIN) >=
+                 WARM_AGAIN]
+        if not fresh or self._nursery is None:
+            return
+        for i in fresh:
+            self._warmed[(key, etag, i)] = now
+            self._warmed.move_to_end((key, etag, i))
+        while len(self._warmed) > 4096:
+            self._warmed.popitem(last=False)
+        self._nursery.start_soon(self._call, owner,
+                                 {"op": "warm", "key": key, "etag": etag, "size": obj_size,
+                                  "idx": fresh[0], "idxs": fresh}, 0, 5.0)
 
     # -- status ---------------------------------------------------------------------------
 

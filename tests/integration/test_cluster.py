@@ -12,6 +12,8 @@ import struct
 import threading
 import time
 
+from objcache.cluster.ring import Ring, chunk_point
+
 MIB = 1 << 20
 
 
@@ -114,21 +116,28 @@ def test_kill9_of_a_node_mid_read_does_not_fail_reads(s3, bucket, cluster):  # t
 
 
 def test_late_joiner_reads_without_refetching(s3, bucket, cluster, proxy):  # type: ignore
-    digest = _put_random(s3, bucket, "ds/shard.bin", 64 * MIB)
-    first = [cluster.add("--chunk-size", "8M") for _ in range(2)]
+    digest = _put_random(s3, bucket, "ds/shard.bin", 96 * MIB)
+    first = [cluster.add("--chunk-size", "6M") for _ in range(2)]
     cluster.wait_members(first, 2)
     assert _read_all([n.mnt / "ds" / "shard.bin" for n in first]) == [digest] * 2
-    assert proxy.get_object_bytes >= 64 * MIB
+    assert proxy.get_object_bytes >= 96 * MIB
     proxy.reset()
 
-    late = cluster.add("--chunk-size", "8M")
+    late = cluster.add("--chunk-size", "6M")
     cluster.wait_members([*first, late], 3)
     assert _read_all([late.mnt / "ds" / "shard.bin"]) == [digest]
 
     assert proxy.get_object_bytes == 0, proxy.requests
+    # The late node owns its share of the 16 chunks and took them over from their previous
+    # owners (ring computed here the way the daemons compute it: ids = addresses, equal
+    # capacities).
+    etag = s3.head_object(Bucket=bucket, Key="ds/shard.bin")["ETag"]
+    ring = Ring({n.addr: 1 << 30 for n in [*first, late]})
+    owned = sum(ring.owner(chunk_point("ds/shard.bin", etag, i)) == late.addr
+                for i in range(16))
     st = late.status()["cache"]
-    # The late node took over its share of chunks from their previous owners.
-    assert st["chunks"] >= 1 and st["bytes_read_from_s3"] == 0, st
+    assert st["chunks"] == owned and st["bytes_read_from_s3"] == 0, (owned, st)
+    assert st["bytes_read_from_peers"] == 96 * MIB, st
 
 
 def _refused(addr: str, payload: bytes) -> bool:

@@ -329,3 +329,23 @@ def test_mmap_and_unlink_of_an_open_file(s3, bucket, mount):  # type: ignore
     objcache("flush", str(m.mnt))
     assert "open.txt" not in s3_keys(s3, bucket)
     assert m.status()["dirty"]["files"] == 0
+
+
+def test_transient_s3_errors_are_retried(s3, bucket, proxy, mounts, tmp_path):  # type: ignore
+    """503s injected by the proxy in front of SeaweedFS: uploads and reads still succeed."""
+    m = Mount(proxy.endpoint, bucket, tmp_path / "mnt", tmp_path / "cache",
+              "--writeback-delay", "0")
+    mounts.append(m)
+    m.start()
+    written = os.urandom(3 << 20)
+    (m.mnt / "out.bin").write_bytes(written)
+    proxy.fail_next(8)  # more than one boto3 call's own attempts
+    objcache("flush", str(m.mnt))
+    assert s3_body(s3, bucket, "out.bin") == written
+    stored = os.urandom(2 << 20)
+    s3.put_object(Bucket=bucket, Key="in.bin", Body=stored)
+    proxy.fail_next(8)
+    assert (m.mnt / "in.bin").read_bytes() == stored
+    st = m.status()["s3"]
+    assert sum(st["retries"].values()) >= 2, st
+    assert not m.errors_in_log()

@@ -38,3 +38,47 @@ def test_set_option_and_validate():  # type: ignore
     cfg.chunk_size = 1 << 20
     with pytest.raises(UserError, match="chunk-size"):
         cfg.validate()
+
+
+def test_cluster_options_are_checked(tmp_path):  # type: ignore
+    cfg = MountConfig(bucket="b", peers="127.0.0.1:7000")
+    with pytest.raises(UserError, match="need --listen"):
+        cfg.validate()
+    cfg = MountConfig(bucket="b", listen="127.0.0.1:7000")
+    with pytest.raises(UserError, match="--cluster-secret-file"):
+        cfg.validate()
+    cfg = MountConfig(bucket="b", listen="nonsense", cluster_secret_file="k")
+    with pytest.raises(UserError, match="invalid --listen"):
+        cfg.validate()
+    cfg = MountConfig(bucket="b", listen="127.0.0.1:7000", cluster_secret_file="k",
+                      peers="127.0.0.1:7001,bad")
+    with pytest.raises(UserError, match="invalid peer address 'bad'"):
+        cfg.validate()
+    cfg = MountConfig(bucket="b", cache_size=10 << 30)
+    set_option(cfg, "peers", ["127.0.0.1:1", "127.0.0.1:2"], "test")  # a TOML list
+    assert cfg.peers == "127.0.0.1:1,127.0.0.1:2"
+    set_option(cfg, "peer-timeout", "2s", "test")
+    assert cfg.peer_timeout == 2
+
+
+def test_cluster_secret_and_listen_port_errors(tmp_path):  # type: ignore
+    from objcache.cluster.node import bind_listener, load_secret
+    short = tmp_path / "short.key"
+    short.write_text("abc\n")
+    with pytest.raises(UserError, match="at least 16"):
+        load_secret(str(short))
+    with pytest.raises(UserError, match="not readable"):
+        load_secret(str(tmp_path / "missing.key"))
+    good = tmp_path / "good.key"
+    good.write_text("0123456789abcdef0123\n")
+    assert load_secret(str(good)) == b"0123456789abcdef0123"
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind_listener(f"127.0.0.1:{port}")
+    finally:
+        taken.close()
