@@ -1,4 +1,4 @@
-"""The `objcache` command: mount, umount, flush, status.
+"""The `objcache` command: mount, umount, flush, status, prefetch, unpin, evict.
 
 Errors are one line on stderr and a non-zero exit. `mount` without --foreground starts the
 daemon as a detached child and returns once the mount is ready (or prints why it is not).
@@ -44,6 +44,8 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
                            "kept here (default: a tenth of --cache-size)"}),
     ("--peer-timeout", {"metavar": "SECONDS", "help": "take a silent peer off the ring "
                         "after this long (default 5)"}),
+    ("--metrics-addr", {"metavar": "HOST:PORT", "help": "serve Prometheus metrics at "
+                        "http://HOST:PORT/metrics"}),
     ("--log-level", {"metavar": "LEVEL", "help": "debug, info, warning or error"}),
     ("--log-file", {"metavar": "FILE", "help": "log here (default: stderr in the "
                     "foreground, CACHE_DIR/objcache.log otherwise)"}),
@@ -74,6 +76,19 @@ def _parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("flush", help="return once everything dirty under PATH is in S3")
     f.add_argument("path", metavar="MOUNTPOINT[/PATH]")
+
+    pf = sub.add_parser("prefetch", help="warm the cache with files and directories")
+    pf.add_argument("paths", nargs="*", metavar="PATH", help="files, directories or globs "
+                    "inside a mount")
+    pf.add_argument("--manifest", metavar="FILE", help="a file with one path per line")
+    pf.add_argument("--jobs", type=int, default=8, help="batches in flight (default 8)")
+    pf.add_argument("--pin", action="store_true", help="keep the data until unpin")
+    pf.add_argument("--json", action="store_true", help="print a JSON summary")
+
+    up = sub.add_parser("unpin", help="let pinned data under PATH be evicted again")
+    up.add_argument("paths", nargs="+", metavar="PATH")
+    ev = sub.add_parser("evict", help="drop clean cached data under PATH")
+    ev.add_argument("paths", nargs="+", metavar="PATH")
 
     s = sub.add_parser("status", help="cache and write-back state of a mount")
     s.add_argument("mountpoint")
@@ -190,6 +205,35 @@ def _cmd_flush(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prefetch(args: argparse.Namespace) -> int:
+    from objcache import prefetch
+    return prefetch.run(args.paths, args.manifest, args.jobs, args.pin, args.json)
+
+
+def _cmd_unpin_or_evict(args: argparse.Namespace) -> int:
+    failed = False
+    for path in args.paths:
+        try:
+            try:
+                ino = os.lstat(path).st_ino
+            except FileNotFoundError:
+                raise UserError(f"{path}: no such file or directory") from None
+            key = control.request(path, {"op": "resolve", "ino": ino})["key"]
+            r = control.request(path, {"op": args.command, "prefix": key})
+        except UserError as e:
+            print(f"objcache {args.command}: {e}", file=sys.stderr)
+            failed = True
+            continue
+        what = "unpinned" if args.command == "unpin" else "evicted"
+        extra = (f", {_size(r['pinned_kept'])} pinned kept (unpin first)"
+                 if r.get("pinned_kept") else "")
+        if r.get("unreachable"):
+            extra += f"; not reached: {', '.join(r['unreachable'])}"
+            failed = True
+        print(f"{path}: {what} {_size(r['bytes'])}{extra}")
+    return 1 if failed else 0
+
+
 def _size(n: int | None) -> str:
     if n is None:
         return "-"
@@ -213,7 +257,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"{st['source']} on {st['mountpoint']} (pid {st['pid']}, "
           f"up {st['uptime_seconds']:.0f}s)")
     print(f"cache:  {_size(c['used_bytes'])} used of {_size(c['capacity_bytes'])} "
-          f"({c['chunks']} chunks), hit ratio {ratio}")
+          f"({c['chunks']} chunks, {_size(c['pinned_bytes'])} pinned), hit ratio {ratio}")
     print(f"dirty:  {d['files']} files, {_size(d['bytes'])}, oldest {age}")
     print(f"s3:     {reqs}; errors {sum(s3['errors'].values())}, "
           f"retries {sum(s3['retries'].values())}")
@@ -222,12 +266,21 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"cluster: node {cl['node_id']} on {cl['listen']}, {len(cl['members'])} "
               f"known nodes; read from peers {_size(c['bytes_read_from_peers'])}, served "
               f"to peers {_size(c['bytes_served_to_peers'])}")
-        print(f"  {'NODE':<24} {'ADDRESS':<22} {'STATE':<8} {'RING':>6} {'CACHE USED':>11} "
-              f"{'CAPACITY':>11}")
+        print(f"  {'NODE':<22} {'STATE':<8} {'RING':>6} {'USED':>10} {'CAPACITY':>10} "
+              f"{'PINNED':>10} {'DIRTY':>14} {'OLDEST':>7} {'HITS':>6} {'S3 REQ/ERR':>11}")
         for m in cl["members"]:
-            print(f"  {m['id']:<24} {m['addr']:<22} {m['state']:<8} "
-                  f"{100 * m['ring_share']:5.1f}% {_size(m['cache_used_bytes']):>11} "
-                  f"{_size(m['cache_capacity_bytes']):>11}")
+            ns = m.get("stats") or {}
+            used = ns.get("cache_used_bytes", m["cache_used_bytes"])
+            hit = ns.get("hit_ratio")
+            age = ns.get("oldest_dirty_seconds")
+            dirty = (f"{ns['dirty_files']}/{_size(ns['dirty_bytes'])}" if ns else "-")
+            print(f"  {m['id']:<22} {m['state']:<8} {100 * m['ring_share']:5.1f}% "
+                  f"{_size(used):>10} {_size(m['cache_capacity_bytes']):>10} "
+                  f"{_size(ns.get('pinned_bytes')):>10} {dirty:>14} "
+                  f"{'-' if age is None else f'{age:.0f}s':>7} "
+                  f"{'-' if hit is None else f'{100 * hit:.0f}%':>6} "
+                  f"{ns.get('s3_requests', '-')}/{ns.get('s3_errors', '-'):<5}")
+        print("  raft: not enabled (membership is the heartbeat view above)")
     return 0
 
 
@@ -235,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"mount": _cmd_mount, "umount": _cmd_umount, "flush": _cmd_flush,
-                "status": _cmd_status}[args.command](args)
+                "status": _cmd_status, "prefetch": _cmd_prefetch,
+                "unpin": _cmd_unpin_or_evict, "evict": _cmd_unpin_or_evict,
+                }[args.command](args)
     except UserError as e:
         print(f"objcache {args.command}: {e}", file=sys.stderr)
         return e.exit_code

@@ -81,6 +81,7 @@ class MountConfig:
     node_id: str | None = None
     near_cache_size: int | None = None  # default: a tenth of cache_size
     peer_timeout: float = 5.0
+    metrics_addr: str | None = None  # HOST:PORT for Prometheus /metrics
 
     def validate(self) -> None:
         if not self.bucket:

@@ -8,6 +8,7 @@ then unmount and exit; a Kubernetes preStop hook relies on that.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -113,6 +114,7 @@ class Daemon:
         self.mountpoint = os.path.realpath(cfg.mountpoint)
         self.started = time.time()
         self.unmount_requested = False
+        self.prefetch_stats = [0, 0, 0]  # files done, files failed, bytes fetched
 
     def prepare(self) -> None:
         """Everything that can fail because of user input, before mounting."""
@@ -129,10 +131,14 @@ class Daemon:
         if cfg.listen:
             key = load_secret(cfg.cluster_secret_file)
             self.cluster = ClusterNode(cfg, key, self.chunks, bind_listener(cfg.listen))
+            self.cluster.local_stats = self.node_stats
         self.local = LocalFiles(self.db, self.cache_dir.path, self.chunks)
         self.fs = Filesystem(cfg, self.store, self.chunks, self.local)
         self.writeback = Writeback(cfg, self.store, self.local, self.fs.uploaded)
         self.control = ControlChannel(self.handle_control)
+        if cfg.metrics_addr:
+            from objcache import metrics
+            self.metrics_server = metrics.serve(cfg.metrics_addr, self)
         self.ops = Operations(self.fs, self.writeback, self.control)
 
     # -- control requests -----------------------------------------------------------------
@@ -158,6 +164,7 @@ class Daemon:
                       "bytes_read_from_peers": c.stats.bytes_from_peers,
                       "peer_fallbacks": c.stats.peer_fallbacks,
                       "bytes_served_to_peers": c.stats.bytes_served_to_peers,
+                      "pinned_bytes": c.pinned_bytes,
                       "near_cache_bytes": c.near_bytes,
                       "near_cache_capacity_bytes": c.near_capacity if self.cluster else 0,
                       "hit_ratio": round(c.stats.hits / reads, 4) if reads else None},
@@ -170,12 +177,59 @@ class Daemon:
             "cluster": self.cluster.status() if self.cluster else None,
         }
 
+    def node_stats(self) -> dict[str, Any]:
+        """This node's row of the cluster-wide status (also served to peers)."""
+        c = self.chunks
+        dirty = list(self.local.dirty_files())
+        oldest = min((lf.dirty_since or time.time() for lf in dirty), default=None)
+        reads = c.stats.hits + c.stats.misses
+        s3 = self.store.stats
+        return {"cache_used_bytes": c.used, "cache_capacity_bytes": c.capacity,
+                "pinned_bytes": c.pinned_bytes, "dirty_files": len(dirty),
+                "dirty_bytes": sum(lf.size for lf in dirty),
+                "oldest_dirty_seconds": None if oldest is None
+                else round(time.time() - oldest, 1),
+                "hit_ratio": round(c.stats.hits / reads, 4) if reads else None,
+                "s3_requests": sum(s3.requests.values()),
+                "s3_errors": sum(s3.errors.values())}
+
+    async def cluster_status(self) -> dict[str, Any]:
+        assert self.cluster is not None
+        st = self.cluster.status()
+        replies = await self.cluster.broadcast({"op": "stats"})
+        rows = {self.cluster.node_id: self.node_stats()}
+        for node, reply in replies.items():
+            stats = reply.get("stats") if reply else None
+            rows[node] = stats if isinstance(stats, dict) else None
+        for m in st["members"]:
+            m["stats"] = rows.get(m["id"])
+        # Raft (issue 4) is not built yet: membership is the gossip view above.
+        st["raft"] = None
+        return st
+
     async def handle_control(self, req: dict[str, Any], uid: int) -> dict[str, Any]:
         op = req.get("op")
         if op == "status":
-            return self.status()
-        if uid not in (0, os.getuid()):
+            st = self.status()
+            if self.cluster is not None:
+                st["cluster"] = await self.cluster_status()
+            return st
+        if op == "resolve":
+            return self.resolve(int(req["ino"]))
+        if op == "list":
+            return await self.list_files(str(req["prefix"]), str(req.get("after", "")),
+                                         int(req.get("limit", 1000)))
+        if uid not in (0, os.getuid()) and (op != "prefetch" or req.get("pin")):
             raise UserError("permission denied: only root or the mount's owner may do this")
+        if op == "prefetch":
+            files = req.get("files")
+            if not (isinstance(files, list) and all(
+                    isinstance(f, list) and len(f) == 3 and isinstance(f[0], str)
+                    and isinstance(f[1], int) and isinstance(f[2], str) for f in files)):
+                raise UserError("malformed prefetch request: files must be [key, size, etag]")
+            return await self.prefetch(files, bool(req.get("pin")))
+        if op in ("unpin", "evict"):
+            return await self.unpin_or_evict(op, str(req["prefix"]))
         if op == "flush":
             key = self.fs.key_of(int(req["ino"])) if "ino" in req else ""
             t0 = time.monotonic()
@@ -188,6 +242,75 @@ class Daemon:
             trio.lowlevel.spawn_system_task(self._terminate_soon)
             return {"ok": True, "pid": os.getpid()}
         raise UserError(f"unknown control request {op!r}")
+
+    # -- prefetch, pin, evict ---------------------------------------------------------------
+
+    def resolve(self, ino: int) -> dict[str, Any]:
+        """What a path (by inode number, which works through bind mounts) is in S3 terms."""
+        inode = self.fs.inode(ino)
+        is_dir = stat.S_ISDIR(inode.mode)
+        return {"ok": True, "key": inode.key, "dir": is_dir, "size": inode.size,
+                "etag": None if is_dir or self.local.by_key.get(inode.key) else inode.etag}
+
+    async def list_files(self, prefix: str, after: str, limit: int) -> dict[str, Any]:
+        """One page of the objects under a directory, straight from S3 (no per-file HEAD)."""
+        files: list[list[Any]] = []
+        base = prefix + "/" if prefix else ""
+        last = None
+        async with contextlib.aclosing(self.store.list_recursive(base, after)) as objs:
+            async for o in objs:
+                last = o.key
+                if not o.key.endswith("/"):  # directory markers hold no data
+                    files.append([o.key, o.size, o.etag])
+                if len(files) >= min(limit, 5000):
+                    break
+            else:
+                last = None
+        return {"ok": True, "files": files, "next": last}
+
+    async def prefetch(self, files: list[Any], pin: bool) -> dict[str, Any]:
+        """Warm (and pin) whole files: every chunk is fetched by its owner. Per file:
+        [bytes fetched now, bytes that were cached already, error or None]."""
+        refs: list[tuple[str, str, int, int]] = []
+        spans: list[tuple[int, int]] = []
+        cs = self.chunks.chunk_size
+        for key, size, etag in files:
+            first = len(refs)
+            refs += [(str(key), str(etag), int(size), i) for i in range(-(-int(size) // cs))]
+            spans.append((first, len(refs)))
+        outcomes = await self.chunks.warm(refs, pin)
+        results: list[list[Any]] = []
+        for (_, size, _), (a, b) in zip(files, spans, strict=True):
+            fetched = cached = 0
+            error = None
+            for ref, outcome in zip(refs[a:b], outcomes[a:b], strict=True):
+                n = self.chunks.chunk_len(int(size), ref[3])
+                if outcome == "fetched":
+                    fetched += n
+                elif outcome == "cached":
+                    cached += n
+                else:
+                    error = error or outcome
+            self.prefetch_stats[0 if error is None else 1] += 1
+            self.prefetch_stats[2] += fetched
+            results.append([fetched, cached, error])
+        return {"ok": True, "results": results}
+
+    async def unpin_or_evict(self, op: str, prefix: str) -> dict[str, Any]:
+        if op == "unpin":
+            total, kept = self.chunks.unpin(prefix), 0
+        else:
+            total, kept = self.chunks.evict(prefix)
+        unreachable = []
+        if self.cluster is not None:
+            for node, reply in (await self.cluster.broadcast({"op": op, "prefix": prefix})
+                                ).items():
+                if reply is None:
+                    unreachable.append(node)
+                    continue
+                total += int(reply.get("bytes", 0))
+                kept += int(reply.get("pinned_kept", 0))
+        return {"ok": True, "bytes": total, "pinned_kept": kept, "unreachable": unreachable}
 
     async def _terminate_soon(self) -> None:
         await trio.sleep(0.05)

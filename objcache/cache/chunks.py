@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from objcache.cache.statedb import StateDB
-from objcache.errors import StaleObject
+from objcache.errors import ObjcacheError, StaleObject
 
 if TYPE_CHECKING:
     from objcache.store import ObjectStore
@@ -53,9 +53,15 @@ class ChunkPeers(Protocol):
         """Ask `owner` to start fetching these chunks (readahead), without waiting."""
         ...
 
+    async def warm_remote(self, owner: str, items: list[ChunkRef], pin: bool
+                          ) -> list[str] | None:
+        """Have `owner` run `warm_local` on these chunks and wait for its outcomes."""
+        ...
+
 log = logging.getLogger(__name__)
 
 ChunkId = tuple[str, str, int]  # (key, etag, index)
+ChunkRef = tuple[str, str, int, int]  # (key, etag, object size, index): enough to fetch it
 
 
 def _pread(path: str, n: int, offset: int) -> bytes:
@@ -69,10 +75,11 @@ def _pread(path: str, n: int, offset: int) -> bytes:
 
 
 class Chunk:
-    __slots__ = ("id", "key", "etag", "idx", "size", "atime", "path")
+    __slots__ = ("id", "key", "etag", "idx", "size", "atime", "path", "pinned")
 
     def __init__(self, id_: int, key: str, etag: str, idx: int, size: int, atime: float,
-                 path: str) -> None:
+                 path: str, pinned: bool = False) -> None:
+        self.pinned = pinned
         self.id = id_
         self.key = key
         self.etag = etag
@@ -132,7 +139,9 @@ class ChunkCache:
         self.near_bytes = 0
         self._near: OrderedDict[ChunkId, None] = OrderedDict()  # LRU of near-cache chunks
         self._remote_reads: OrderedDict[ChunkId, int] = OrderedDict()  # bytes read via peers
-        self._lru: OrderedDict[ChunkId, Chunk] = OrderedDict()
+        self._index: dict[ChunkId, Chunk] = {}  # every cached chunk
+        self._lru: OrderedDict[ChunkId, Chunk] = OrderedDict()  # the evictable (unpinned)
+        self.pinned_bytes = 0
         self._by_key: dict[str, set[ChunkId]] = {}
         self._fetching: dict[ChunkId, _Fetch] = {}
         self._touched: set[int] = set()
@@ -152,8 +161,8 @@ class ChunkCache:
     def _load(self) -> None:
         known: set[str] = set()
         stale: list[tuple[object, ...]] = []
-        for id_, key, etag, idx, size, atime in self.db.execute(
-                "SELECT id, key, etag, idx, size, atime FROM chunks ORDER BY atime"):
+        for id_, key, etag, idx, size, atime, pinned in self.db.execute(
+                "SELECT id, key, etag, idx, size, atime, pinned FROM chunks ORDER BY atime"):
             path = self._path(id_)
             try:
                 ok = os.stat(path).st_size == size
@@ -163,7 +172,7 @@ class ChunkCache:
                 stale.append((id_,))
                 continue
             known.add(path)
-            self._insert(Chunk(id_, key, etag, idx, size, atime, path))
+            self._insert(Chunk(id_, key, etag, idx, size, atime, path, bool(pinned)))
         if stale:
             log.info("dropping %d cache index entries whose chunk files are gone", len(stale))
             self.db.executemany("DELETE FROM chunks WHERE id=?", stale)
@@ -171,11 +180,16 @@ class ChunkCache:
             for f in sub.iterdir():
                 if str(f) not in known:
                     f.unlink()  # written but never indexed (crash between write and commit)
-        log.info("chunk cache: %d chunks, %d bytes", len(self._lru), self.chunk_bytes)
+        log.info("chunk cache: %d chunks, %d bytes (%d pinned)", len(self._index),
+                 self.chunk_bytes, self.pinned_bytes)
 
     def _insert(self, ch: Chunk) -> None:
         cid = (ch.key, ch.etag, ch.idx)
-        self._lru[cid] = ch
+        self._index[cid] = ch
+        if ch.pinned:
+            self.pinned_bytes += ch.size
+        else:
+            self._lru[cid] = ch
         self._by_key.setdefault(ch.key, set()).add(cid)
         self.chunk_bytes += ch.size
 
@@ -191,7 +205,7 @@ class ChunkCache:
         """Persist access times so the LRU order survives a restart."""
         if not self._touched:
             return
-        rows = [(ch.atime, ch.id) for ch in self._lru.values() if ch.id in self._touched]
+        rows = [(ch.atime, ch.id) for ch in self._index.values() if ch.id in self._touched]
         self._touched.clear()
         self.db.executemany("UPDATE chunks SET atime=? WHERE id=?", rows)
 
@@ -236,15 +250,16 @@ class ChunkCache:
         return max(0, min(self.chunk_size, obj_size - idx * self.chunk_size))
 
     def is_cached(self, key: str, etag: str, idx: int) -> bool:
-        return (key, etag, idx) in self._lru
+        return (key, etag, idx) in self._index
 
     async def ensure(self, key: str, etag: str, obj_size: int, idx: int) -> Chunk | None:
         """The cached chunk, downloading it if needed; None if the cache has no room."""
         cid = (key, etag, idx)
         while True:
-            ch = self._lru.get(cid)
+            ch = self._index.get(cid)
             if ch is not None:
-                self._lru.move_to_end(cid)
+                if not ch.pinned:
+                    self._lru.move_to_end(cid)
                 if cid in self._near:
                     self._near.move_to_end(cid)
                 ch.atime = time.time()
@@ -256,7 +271,7 @@ class ChunkCache:
             await fetch.done.wait()
             if fetch.error is not None:
                 raise fetch.error
-            if fetch.result is None and cid not in self._lru:
+            if fetch.result is None and cid not in self._index:
                 return None
             # else: loop and pick it up from the LRU (also covers a cancelled fetcher)
 
@@ -271,7 +286,7 @@ class ChunkCache:
         try:
             if near_from is not None:
                 while self._near and self.near_bytes + size > self.near_capacity:
-                    self._remove(self._lru[next(iter(self._near))])
+                    self._remove(self._index[next(iter(self._near))])
                     self.stats.evictions += 1
             if not self.make_room(size):
                 self.stats.bypass += 1
@@ -344,7 +359,7 @@ class ChunkCache:
         while offset < end:
             idx = offset // cs
             n = min(end, (idx + 1) * cs) - offset
-            if (key, etag, idx) in self._lru:
+            if (key, etag, idx) in self._index:
                 self.stats.hits += 1
             else:
                 self.stats.misses += 1
@@ -389,7 +404,7 @@ class ChunkCache:
         return data
 
     async def _near_one(self, owner: str, cid: ChunkId, obj_size: int) -> None:
-        if cid in self._lru or cid in self._fetching:
+        if cid in self._index or cid in self._fetching:
             return
         try:
             await self._download(cid, obj_size, near_from=owner)
@@ -412,7 +427,7 @@ class ChunkCache:
 
     def cached_chunk(self, key: str, etag: str, idx: int) -> bytes | None:
         """The whole chunk if this node has it, without fetching."""
-        ch = self._lru.get((key, etag, idx))
+        ch = self._index.get((key, etag, idx))
         if ch is None:
             return None
         data = _pread(ch.path, ch.size, 0)
@@ -427,7 +442,7 @@ class ChunkCache:
         local: list[int] = []
         for idx in range(first, min(first + count, last + 1)):
             cid = (key, etag, idx)
-            if cid in self._lru or cid in self._fetching:
+            if cid in self._index or cid in self._fetching:
                 continue
             owner = self.peers.owner(key, etag, idx) if self.peers is not None else None
             if owner is None:
@@ -445,7 +460,7 @@ class ChunkCache:
             return
         for idx in idxs:
             cid = (key, etag, idx)
-            if cid in self._lru or cid in self._fetching:
+            if cid in self._index or cid in self._fetching:
                 continue
             self._nursery.start_soon(self._prefetch_one, key, etag, obj_size, idx)
 
@@ -455,22 +470,113 @@ class ChunkCache:
         except Exception as e:  # readahead is best effort; the real read reports errors
             log.debug("readahead of %r chunk %d failed: %s", key, idx, e)
 
+    # -- prefetch, pinning, eviction by path ------------------------------------------------
+
+    def _pin(self, ch: Chunk) -> None:
+        if ch.pinned:
+            return
+        self._remove_index_only(ch)  # (also out of the near-cache: pinned data stays)
+        ch.pinned = True
+        self._insert(ch)
+        self.db.execute("UPDATE chunks SET pinned=1 WHERE id=?", (ch.id,))
+
+    async def warm_local(self, items: list[ChunkRef], pin: bool) -> list[str]:
+        """Make these chunks cached here (pinned if asked); one outcome per item:
+        "cached" (it already was), "fetched", or an error message."""
+        out = [""] * len(items)
+        limit = trio.Semaphore(16)
+
+        async def one(i: int, ref: ChunkRef) -> None:
+            key, etag, size, idx = ref
+            async with limit:
+                was = (key, etag, idx) in self._index
+                try:
+                    ch = await self.ensure(key, etag, size, idx)
+                except ObjcacheError as e:
+                    out[i] = f"{type(e).__name__}: {e}"
+                    return
+                if ch is None:
+                    out[i] = ("NoSpace: the cache is full of pinned or dirty data"
+                              if pin else "NoSpace: no room in the cache")
+                    return
+                if pin:
+                    self._pin(ch)
+                out[i] = "cached" if was else "fetched"
+
+        async with trio.open_nursery() as nursery:
+            for i, ref in enumerate(items):
+                nursery.start_soon(one, i, ref)
+        return out
+
+    async def warm(self, items: list[ChunkRef], pin: bool) -> list[str]:
+        """`warm_local` across the cluster: each owner fetches (and pins) its own chunks, all
+        owners in parallel; chunks of an owner that cannot answer are fetched here."""
+        by_owner: dict[str | None, list[int]] = defaultdict(list)
+        for i, (key, etag, _, idx) in enumerate(items):
+            owner = self.peers.owner(key, etag, idx) if self.peers is not None else None
+            by_owner[owner].append(i)
+        out = [""] * len(items)
+
+        async def run(owner: str | None, idxs: list[int]) -> None:
+            part = [items[i] for i in idxs]
+            res = None
+            if owner is not None and self.peers is not None:
+                res = await self.peers.warm_remote(owner, part, pin)
+            if res is None:
+                res = await self.warm_local(part, pin)
+            for i, r in zip(idxs, res, strict=True):
+                out[i] = r
+
+        async with trio.open_nursery() as nursery:
+            for owner, idxs in by_owner.items():
+                nursery.start_soon(run, owner, idxs)
+        return out
+
+    def _matching(self, prefix: str) -> list[Chunk]:
+        """Chunks of `prefix` itself or anything under it ('' = everything)."""
+        keys = [k for k in self._by_key if not prefix or k == prefix
+                or k.startswith(prefix + "/")]
+        return [self._index[cid] for k in keys for cid in self._by_key[k]]
+
+    def unpin(self, prefix: str) -> int:
+        """Make pinned chunks under `prefix` evictable again; returns their bytes."""
+        total = 0
+        for ch in self._matching(prefix):
+            if ch.pinned:
+                self._remove_index_only(ch)
+                ch.pinned = False
+                self._insert(ch)
+                self.db.execute("UPDATE chunks SET pinned=0 WHERE id=?", (ch.id,))
+                total += ch.size
+        return total
+
+    def evict(self, prefix: str) -> tuple[int, int]:
+        """Drop unpinned chunks under `prefix`; returns (bytes dropped, pinned bytes kept)."""
+        dropped = kept = 0
+        for ch in self._matching(prefix):
+            if ch.pinned:
+                kept += ch.size
+            else:
+                self._remove(ch)
+                dropped += ch.size
+        return dropped, kept
+
     # -- object-level changes -------------------------------------------------------------
 
     def drop_object(self, key: str, keep_etag: str | None = None) -> None:
         """Forget cached chunks of `key` (all versions but `keep_etag`)."""
         for cid in list(self._by_key.get(key, ())):
             if cid[1] != keep_etag:
-                self._remove(self._lru[cid])
+                self._remove(self._index[cid])
 
     def rekey(self, old_key: str, old_etag: str, new_key: str, new_etag: str) -> None:
         """After a server-side copy the bytes are the same: keep them under the new name."""
         for cid in list(self._by_key.get(old_key, ())):
             if cid[1] != old_etag:
                 continue
-            ch = self._lru[cid]
+            ch = self._index[cid]
             new_cid = (new_key, new_etag, ch.idx)
-            if new_cid in self._lru:
+            if new_cid in self._index:
                 self._remove(ch)
                 continue
             self._remove_index_only(ch)
@@ -481,7 +587,11 @@ class ChunkCache:
 
     def _remove_index_only(self, ch: Chunk) -> None:
         cid = (ch.key, ch.etag, ch.idx)
-        del self._lru[cid]
+        del self._index[cid]
+        if ch.pinned:
+            self.pinned_bytes -= ch.size
+        else:
+            del self._lru[cid]
         if cid in self._near:
             del self._near[cid]
             self.near_bytes -= ch.size
@@ -492,4 +602,4 @@ class ChunkCache:
         self.chunk_bytes -= ch.size
 
     def chunk_count(self) -> int:
-        return len(self._lru)
+        return len(self._index)

@@ -23,6 +23,7 @@ CREATE TABLE IF NOT EXISTS chunks (
     idx INTEGER NOT NULL,
     size INTEGER NOT NULL,
     atime REAL NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0,  -- 1: kept until unpinned (prefetch --pin)
     UNIQUE (key, etag, idx)
 );
 -- One row per file whose data lives in a local file under local/ (new or modified files).
@@ -54,6 +55,9 @@ class StateDB:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.executescript(_SCHEMA)
+        cols = {row[1] for row in self.conn.execute("PRAGMA table_info(chunks)")}
+        if "pinned" not in cols:  # a cache dir from before pinning existed
+            self.conn.execute("ALTER TABLE chunks ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
         row = self.conn.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
         if row is None:
             self.conn.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))

@@ -16,6 +16,7 @@ import socket
 import stat
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 MIN_SECRET_BYTES = 16
 MAX_OBJECT_SIZE = 5 << 40  # S3's limit; anything larger in a request is garbage
+MAX_PREFETCH_ITEMS = 4096
+PREFETCH_TIMEOUT = 3600.0  # an owner fetching thousands of chunks; cancelled if it dies
 WARM_AGAIN = 10.0  # seconds before the same chunk is worth warming at its owner again
 
 
@@ -83,6 +86,10 @@ def _int(msg: dict[str, Any], name: str, lo: int, hi: int) -> int:
     return v
 
 
+def _bad_item() -> Any:
+    raise ProtocolError("a prefetch item is not [key, etag, size, idx]")
+
+
 class ClusterNode:
     def __init__(self, cfg: MountConfig, key: bytes, chunks: ChunkCache,
                  sock: socket.socket) -> None:
@@ -101,6 +108,7 @@ class ClusterNode:
                                      used=lambda: chunks.used)
         self.membership.on_suspect = self._cancel_requests_to
         self._sock = sock
+        self.local_stats: Callable[[], dict[str, Any]] = lambda: {}  # set by the daemon
         self.server = PeerServer(key, self._handle)
         self._inflight: dict[str, set[trio.CancelScope]] = defaultdict(set)
         self._nursery: trio.Nursery | None = None
@@ -156,6 +164,23 @@ class ClusterNode:
                 raise ProtocolError("request field 'idxs' is not a list of chunk indexes")
             self.chunks.prefetch_local(key, etag, size, idxs)
             return {}, None
+        if op == "prefetch":
+            items = msg.get("items")
+            if not isinstance(items, list) or len(items) > MAX_PREFETCH_ITEMS:
+                raise ProtocolError("request field 'items' is not a list of chunks")
+            refs = [self._chunk_args(dict(zip(("key", "etag", "size", "idx"), it,
+                                              strict=True)))
+                    if isinstance(it, list) and len(it) == 4 else _bad_item()
+                    for it in items]
+            return {"results": await self.chunks.warm_local(refs, bool(msg.get("pin")))}, None
+        if op in ("unpin", "evict"):
+            prefix = _str(msg, "prefix")
+            if op == "unpin":
+                return {"bytes": self.chunks.unpin(prefix)}, None
+            dropped, kept = self.chunks.evict(prefix)
+            return {"bytes": dropped, "pinned_kept": kept}, None
+        if op == "stats":
+            return {"stats": self.local_stats()}, None
         raise ProtocolError(f"unknown request {op!r:.50} from {peer}")
 
     # -- ChunkPeers: what the chunk cache asks ---------------------------------------------
@@ -232,6 +257,34 @@ class ClusterNode:
         self._nursery.start_soon(self._call, owner,
                                  {"op": "warm", "key": key, "etag": etag, "size": obj_size,
                                   "idx": fresh[0], "idxs": fresh}, 0, 5.0)
+
+    async def warm_remote(self, owner: str, items: list[tuple[str, str, int, int]],
+                          pin: bool) -> list[str] | None:
+        results: list[str] = []
+        for start in range(0, len(items), MAX_PREFETCH_ITEMS):
+            part = items[start:start + MAX_PREFETCH_ITEMS]
+            got = await self._call(owner, {"op": "prefetch", "items": [list(i) for i in part],
+                                           "pin": pin}, max_data=0, timeout=PREFETCH_TIMEOUT)
+            res = None if got is None else got[0].get("results")
+            if not (isinstance(res, list) and len(res) == len(part)
+                    and all(isinstance(r, str) for r in res)):
+                return None
+            results += res
+        return results
+
+    async def broadcast(self, msg: dict[str, Any]) -> dict[str, dict[str, Any] | None]:
+        """Send `msg` to every live member (not us); each one's reply, None if it failed."""
+        out: dict[str, dict[str, Any] | None] = {}
+
+        async def one(node: str) -> None:
+            got = await self._call(node, msg, max_data=0, timeout=30.0)
+            out[node] = None if got is None else got[0]
+
+        async with trio.open_nursery() as nursery:
+            for node in self.membership.ring.members:
+                if node != self.node_id:
+                    nursery.start_soon(one, node)
+        return out
 
     # -- status ---------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ import trio
 
 from objcache.cluster.wire import FrameStream, client_handshake, server_handshake
 from objcache.errors import NotFound, PeerError, ProtocolError, StaleObject
+from objcache.metrics import PEER_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,14 @@ class PeerPool:
         """Send one request and return (reply, data). Raises PeerError (AuthError,
         ProtocolError) when the peer cannot answer, and the reply's error when it failed."""
         self.requests += 1
+        t0 = time.perf_counter()
+        try:
+            return await self._request(addr, msg, timeout, max_data)
+        finally:
+            PEER_SECONDS.labels(str(msg.get("op"))).observe(time.perf_counter() - t0)
+
+    async def _request(self, addr: str, msg: dict[str, Any], timeout: float, max_data: int
+                       ) -> tuple[dict[str, Any], bytearray | None]:
         for attempt in range(2):
             idle = self._idle.get(addr)
             conn = idle.pop() if idle else await self._connect(addr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -21,6 +22,7 @@ from objcache.core.filesystem import Filesystem
 from objcache.core.inode import CTRL_INO, Attr
 from objcache.core.writeback import Writeback
 from objcache.errors import ObjcacheError, errno_of, unwrap
+from objcache.metrics import FUSE_ERRORS, FUSE_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +34,19 @@ _QUIET_ERRNOS = {errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errn
 
 def fuse_op(fn: F) -> F:
     name = fn.__name__
+    latency = FUSE_SECONDS.labels(name)
 
     @functools.wraps(fn)
     async def wrapper(self: Operations, *args: Any) -> Any:
+        t0 = time.perf_counter()
         try:
             return await fn(self, *args)
-        except pyfuse3.FUSEError:
+        except pyfuse3.FUSEError as e:
+            FUSE_ERRORS.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
             raise
         except Exception as exc:
             code = errno_of(exc)
+            FUSE_ERRORS.labels(name, errno.errorcode.get(code, str(code))).inc()
             e = unwrap(exc)
             if code == errno.EIO:
                 if isinstance(e, ObjcacheError):
@@ -50,6 +56,8 @@ def fuse_op(fn: F) -> F:
             elif code not in _QUIET_ERRNOS:
                 log.info("%s: %s (%s)", name, errno.errorcode.get(code, code), e)
             raise pyfuse3.FUSEError(code) from None
+        finally:
+            latency.observe(time.perf_counter() - t0)
 
     return cast(F, wrapper)
 

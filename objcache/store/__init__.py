@@ -36,7 +36,9 @@ class ObjectStore(Protocol):
         """One level below `prefix` (which is '' or ends with '/'), page by page."""
         ...
 
-    def list_recursive(self, prefix: str) -> AsyncIterator[ObjectInfo]: ...
+    def list_recursive(self, prefix: str, start_after: str = "") -> AsyncIterator[ObjectInfo]:
+        """Every key under `prefix` (after `start_after`, if given), in key order."""
+        ...
 
     async def has_prefix(self, prefix: str) -> bool:
         """True when at least one key starts with `prefix`."""

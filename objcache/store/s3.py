@@ -27,6 +27,7 @@ from objcache.errors import (
     UserError,
     first_error,
 )
+from objcache.metrics import S3_SECONDS
 from objcache.store import ListPage, ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,14 @@ class S3Store:
     def _full(self, key: str) -> str:
         return self.base + key
 
+    @staticmethod
+    async def _timed(op: str, fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
+        t0 = time.perf_counter()
+        try:
+            return await trio.to_thread.run_sync(fn, limiter=limiter)
+        finally:
+            S3_SECONDS.labels(op).observe(time.perf_counter() - t0)
+
     async def _call(self, op: str, key: str, fn: Callable[[], T],
                     limiter: trio.CapacityLimiter) -> T:
         """Run `fn` in a thread; retry transient failures with jittered backoff."""
@@ -126,7 +135,7 @@ class S3Store:
         while True:
             self.stats.requests[op] += 1
             try:
-                return await trio.to_thread.run_sync(fn, limiter=limiter)
+                return await self._timed(op, fn, limiter)
             except bex.ClientError as e:
                 code, status = _code(e), _status(e)
                 if code in ("NoSuchKey", "NotFound", "404") or status == 404:
@@ -222,7 +231,8 @@ class S3Store:
             if not r.get("IsTruncated") or not token:
                 return
 
-    async def list_recursive(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+    async def list_recursive(self, prefix: str, start_after: str = ""
+                             ) -> AsyncIterator[ObjectInfo]:
         full = self._full(prefix)
         token: str | None = None
         n = len(self.base)
@@ -230,6 +240,8 @@ class S3Store:
             args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
             if token:
                 args["ContinuationToken"] = token
+            elif start_after:
+                args["StartAfter"] = self._full(start_after)
             r = await self._call("list", prefix,
                                  lambda a=args: self.client.list_objects_v2(**a),
                                  self.meta_limiter)

@@ -48,9 +48,10 @@ class MemoryStore:
                 objs.append(self._info(key, False))
         yield ListPage(objs, sorted(prefixes))
 
-    async def list_recursive(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+    async def list_recursive(self, prefix: str, start_after: str = ""
+                             ) -> AsyncIterator[ObjectInfo]:
         for key in sorted(self.objects):
-            if key.startswith(prefix):
+            if key.startswith(prefix) and key > start_after:
                 yield self._info(key, False)
 
     async def has_prefix(self, prefix: str) -> bool:
