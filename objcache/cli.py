@@ -50,7 +50,7 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--log-file", {"metavar": "FILE", "help": "log here (default: stderr in the "
                     "foreground, CACHE_DIR/objcache.log otherwise)"}),
 ]
-_MOUNT_SWITCHES = ["--foreground", "--read-only", "--allow-other"]
+_MOUNT_SWITCHES = ["--foreground", "--read-only", "--allow-other", "--recover-mount"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,6 +89,14 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("paths", nargs="+", metavar="PATH")
     ev = sub.add_parser("evict", help="drop clean cached data under PATH")
     ev.add_argument("paths", nargs="+", metavar="PATH")
+
+    cn = sub.add_parser("csi-node", help="run the Kubernetes CSI node plugin")
+    cn.add_argument("--endpoint", required=True, metavar="unix:///PATH",
+                    help="the gRPC socket kubelet talks to")
+    cn.add_argument("--node-id", required=True, metavar="ID", help="this Kubernetes node")
+    cn.add_argument("--mount-root", default="/var/lib/objcache/mounts", metavar="DIR",
+                    help="where this node's objcache mounts live, one directory per mount")
+    cn.add_argument("--log-level", default="info", metavar="LEVEL")
 
     s = sub.add_parser("status", help="cache and write-back state of a mount")
     s.add_argument("mountpoint")
@@ -234,6 +242,13 @@ def _cmd_unpin_or_evict(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_csi_node(args: argparse.Namespace) -> int:
+    from objcache.csi import node
+    from objcache.daemon import setup_logging
+    setup_logging(args.log_level, None)
+    return node.run(args.endpoint, args.node_id, args.mount_root)
+
+
 def _size(n: int | None) -> str:
     if n is None:
         return "-"
@@ -290,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"mount": _cmd_mount, "umount": _cmd_umount, "flush": _cmd_flush,
                 "status": _cmd_status, "prefetch": _cmd_prefetch,
                 "unpin": _cmd_unpin_or_evict, "evict": _cmd_unpin_or_evict,
+                "csi-node": _cmd_csi_node,
                 }[args.command](args)
     except UserError as e:
         print(f"objcache {args.command}: {e}", file=sys.stderr)

@@ -82,6 +82,7 @@ class MountConfig:
     near_cache_size: int | None = None  # default: a tenth of cache_size
     peer_timeout: float = 5.0
     metrics_addr: str | None = None  # HOST:PORT for Prometheus /metrics
+    recover_mount: bool = False  # detach a dead mount left at the mountpoint by a crash
 
     def validate(self) -> None:
         if not self.bucket:
@@ -126,7 +127,7 @@ class MountConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(MountConfig)}
 _SIZE_KEYS = {"cache_size", "chunk_size", "readahead", "near_cache_size"}
 _DURATION_KEYS = {"writeback_delay", "metadata_ttl", "s3_retry_seconds", "peer_timeout"}
-_BOOL_KEYS = {"foreground", "read_only", "allow_other"}
+_BOOL_KEYS = {"foreground", "read_only", "allow_other", "recover_mount"}
 
 
 def parse_source(source: str) -> tuple[str, str]:

@@ -9,12 +9,14 @@ then unmount and exit; a Kubernetes preStop hook relies on that.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import signal
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,7 +62,25 @@ def is_mountpoint_busy(path: str) -> bool:
         return any(line.split()[4] == real for line in f)
 
 
-def check_mountpoint(path: str) -> None:
+def _is_dead_mount(path: str) -> bool:
+    """A FUSE mount whose daemon is gone (stat may still answer from cached attributes;
+    statvfs has to ask the daemon)."""
+    try:
+        os.statvfs(path)
+    except OSError as e:
+        return e.errno == errno.ENOTCONN
+    return False
+
+
+def check_mountpoint(path: str, recover: bool = False) -> None:
+    if recover and is_mountpoint_busy(path) and _is_dead_mount(path):
+        # The mount of a daemon that died (a restarted pod): detach it and take over.
+        # Bind mounts of it in running pods are re-pointed by the CSI plugin.
+        log.warning("mountpoint %s is a dead mount of a previous daemon: detaching it", path)
+        r = subprocess.run(["umount", "-l", path], capture_output=True, text=True,
+                           check=False)
+        if r.returncode != 0:
+            raise UserError(f"cannot detach the dead mount at {path}: {r.stderr.strip()}")
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -119,7 +139,7 @@ class Daemon:
     def prepare(self) -> None:
         """Everything that can fail because of user input, before mounting."""
         cfg = self.cfg
-        check_mountpoint(self.mountpoint)
+        check_mountpoint(self.mountpoint, cfg.recover_mount)
         self.store = S3Store(cfg.bucket, cfg.prefix, cfg.endpoint_url, cfg.region,
                              cfg.s3_concurrency, cfg.s3_retry_seconds)
         self.store.check_bucket()

@@ -238,10 +238,29 @@ class Membership:
             # We joined an existing cluster: what we now own, others cached until now.
             self.joined_at = time.monotonic()
 
+    async def _expand_seeds(self) -> list[str]:
+        """Seeds as addresses: a name (a Kubernetes headless Service) can stand for every
+        member; our own address is left out."""
+        out: list[str] = []
+        for seed in self.seeds:
+            host, _, port = seed.rpartition(":")
+            try:
+                infos = await trio.socket.getaddrinfo(host.strip("[]"), int(port),
+                                                      type=trio.socket.SOCK_STREAM)
+            except OSError:
+                out.append(seed)  # unresolvable now: keep it, the error names it
+                continue
+            for *_, sockaddr in infos:
+                ip = sockaddr[0]
+                addr = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                if addr != self.me.addr and addr not in out:
+                    out.append(addr)
+        return out
+
     async def join(self) -> None:
         """Join through the seed peers; with none reachable, form a new cluster."""
         errors: list[str] = []
-        for addr in self.seeds:
+        for addr in await self._expand_seeds():
             try:
                 await self._join_one(addr)
             except AuthError as e:
@@ -279,11 +298,7 @@ class Membership:
                 now = time.monotonic()
                 if now - last_seed_try > SEED_RETRY_SECONDS:
                     last_seed_try = now
-                    known = {m.addr for m in self.members.values() if m.state == ALIVE}
-                    for addr in self.seeds:
-                        if addr not in known and addr not in busy:
-                            busy.add(addr)
-                            nursery.start_soon(self._try_seed, addr, busy)
+                    nursery.start_soon(self._retry_seeds, busy)
 
     async def _ping(self, m: Member, busy: set[str]) -> None:
         try:
@@ -300,6 +315,15 @@ class Membership:
                 self._failed(m)
         finally:
             busy.discard(m.addr)
+
+    async def _retry_seeds(self, busy: set[str]) -> None:
+        """Seeds that are not (yet) members: clusters started at once merge this way."""
+        known = {m.addr for m in self.members.values() if m.state == ALIVE}
+        async with trio.open_nursery() as nursery:
+            for addr in await self._expand_seeds():
+                if addr not in known and addr not in busy:
+                    busy.add(addr)
+                    nursery.start_soon(self._try_seed, addr, busy)
 
     async def _try_seed(self, addr: str, busy: set[str]) -> None:
         try:
