@@ -28,10 +28,11 @@ class Cluster:
         self.nodes: list[Mount] = []
         self.addrs: list[str] = []
 
-    def add(self, *extra: str, secret: Path | None = None, start: bool = True) -> Mount:
+    def add(self, *extra: str, secret: Path | None = None, start: bool = True,
+            peers: str | None = None) -> Mount:
         i = len(self.nodes)
         addr = f"127.0.0.1:{free_port()}"
-        peers = ",".join(self.addrs)
+        peers = ",".join(self.addrs) if peers is None else peers
         flags = ["--listen", addr, "--cluster-secret-file", str(secret or self.secret),
                  "--cache-size", "1G", "--peer-timeout", "3", *extra]
         if peers:

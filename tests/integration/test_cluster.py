@@ -227,3 +227,12 @@ def test_hot_remote_chunks_are_kept_in_the_near_cache(s3, bucket, cluster):  # t
     before = a.status()["cache"]["bytes_read_from_peers"]
     assert _sha(path) == digest  # the third epoch is served from a's own disk
     assert a.status()["cache"]["bytes_read_from_peers"] == before
+
+
+def test_a_peer_name_standing_for_several_nodes_is_resolved(s3, bucket, cluster):  # type: ignore
+    """As with a Kubernetes headless Service: the name resolves to the members' addresses,
+    our own is skipped, the rest are tried."""
+    a = cluster.add()
+    port = a.addr.rsplit(":", 1)[1]  # type: ignore[attr-defined]
+    b = cluster.add(peers=f"localhost:{port}")
+    cluster.wait_members([a, b], 2)
