@@ -1,0 +1,166 @@
+"""A Raft member (pysyncobj) replicating `ClusterState`, with a trio-facing `submit`.
+
+pysyncobj runs its own thread (autoTick); a submitted command's result comes back through
+a callback on that thread and is handed to the trio task waiting for it with the trio
+token (run_sync_soon is thread-safe). A command that cannot commit within its timeout (no
+quorum, no leader) raises NoQuorum: callers turn that into EIO after a bounded wait.
+
+The configuration is chosen from what was measured on these machines (see
+docs/architecture.md, "Raft"):
+- password: pysyncobj pickles commands on the wire, so every message is encrypted and
+  authenticated with the cluster secret (needs the `cryptography` package);
+- commands are msgpack bytes, so what is pickled is only bytes;
+- useFork=False: forking a multi-threaded daemon for log compaction is unsafe;
+- appendEntriesUseBatch=False: the batch period would add ~100 ms to every commit;
+- a journal file and a full dump file in the node's own directory, so a restarted node
+  replays its log;
+- log compaction only after many entries and minutes, which keeps the compaction path
+  (where a follower journal was seen to break under load) out of the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import trio
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+
+from objcache.errors import ObjcacheError
+from objcache.raft.state import ClusterState
+
+log = logging.getLogger(__name__)
+
+ROLES = {0: "follower", 1: "candidate", 2: "leader"}
+
+
+class NoQuorum(ObjcacheError):
+    """A command could not be committed in time (no leader, or no majority reachable)."""
+
+
+def make_conf(data_dir: Path, secret: str) -> SyncObjConf:
+    return SyncObjConf(
+        password=secret,
+        useFork=False,
+        appendEntriesUseBatch=False,
+        journalFile=str(data_dir / "raft.journal"),
+        fullDumpFile=str(data_dir / "raft.dump"),
+        dynamicMembershipChange=True,
+        commandsWaitLeader=True,
+        autoTick=True,
+        raftMinTimeout=0.4,
+        raftMaxTimeout=1.4,
+        connectionTimeout=3.5,
+        logCompactionMinEntries=200_000,
+        logCompactionMinTime=600,
+    )
+
+
+class _Replica(SyncObj):  # type: ignore[misc]
+    def __init__(self, self_addr: str, partners: list[str], conf: SyncObjConf) -> None:
+        self.state = ClusterState()
+        super().__init__(self_addr, partners, conf=conf)
+
+    # pysyncobj 0.3.17 drops every entry after prevLogIdx whenever a follower holds more
+    # than an append_entries message covers, even entries it already applied. With
+    # pipelined appends that is most messages, and it is where its journal was seen to
+    # break under load ("truncating already-applied log entries", then IndexError loops).
+    # Raft (section 5.3) only deletes entries that conflict. This wrapper removes from each
+    # message the leading entries we already hold (same index and term), and when all of
+    # them are known and the rest of our log is from the sender's own term (a leader never
+    # rewrites its own term's entries), it acknowledges our whole log instead of dropping
+    # its tail. Everything else goes to pysyncobj unchanged.
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> Any:
+        if (isinstance(message, dict) and message.get("type") == "append_entries"
+                and "prevLogIdx" in message and message.get("transmission") is None
+                and message.get("entries")):
+            message = self._trim_known(message)
+        return SyncObj._SyncObj__onMessageReceived(self, node, message)
+
+    def _trim_known(self, message: dict[str, Any]) -> dict[str, Any]:
+        get = self._SyncObj__getEntries
+        entries = message["entries"]
+        known = 0
+        for _, idx, term in entries:
+            mine = get(idx, 1)
+            if not mine or mine[0][2] != term:
+                break
+            known += 1
+        if known == 0:
+            return message
+        _, last_idx, last_term = entries[known - 1]
+        if known < len(entries):
+            return dict(message, entries=entries[known:], prevLogIdx=last_idx,
+                        prevLogTerm=last_term)
+        beyond = get(last_idx + 1)
+        if beyond and all(e[2] == message["term"] for e in beyond):
+            last_idx, last_term = beyond[-1][1], beyond[-1][2]
+        return dict(message, entries=[], prevLogIdx=last_idx, prevLogTerm=last_term)
+
+    @replicated  # type: ignore[misc]
+    def _apply(self, blob: bytes) -> Any:
+        try:
+            cmd = msgpack.unpackb(blob, raw=False)
+        except Exception as e:  # the same bytes fail the same way everywhere
+            return {"error": f"undecodable command: {e}"}
+        if not isinstance(cmd, dict):
+            return {"error": "a command must be a map"}
+        return self.state.apply(cmd)
+
+
+class RaftNode:
+    def __init__(self, self_addr: str, partners: list[str], data_dir: Path,
+                 secret: str) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.addr = self_addr
+        self._replica = _Replica(self_addr, [p for p in partners if p != self_addr],
+                                 make_conf(data_dir, secret))
+
+    @property
+    def state(self) -> ClusterState:
+        return self._replica.state
+
+    async def submit(self, cmd: dict[str, Any], timeout: float = 10.0) -> Any:
+        """Commit `cmd` through the log and return what applying it returned."""
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        box: dict[str, Any] = {}
+
+        def callback(result: Any, error: int) -> None:  # on pysyncobj's thread
+            box["result"], box["error"] = result, error
+            token.run_sync_soon(done.set)
+
+        self._replica._apply(msgpack.packb(cmd, use_bin_type=True), callback=callback,
+                             timeout=timeout)
+        with trio.move_on_after(timeout + 2):
+            await done.wait()
+        if not done.is_set():
+            raise NoQuorum(f"raft command {cmd.get('op')!r} got no answer in {timeout:.0f}s")
+        if box["error"] != FAIL_REASON.SUCCESS:
+            raise NoQuorum(f"raft command {cmd.get('op')!r} failed: "
+                           f"{_reason(box['error'])}")
+        return box["result"]
+
+    def status(self) -> dict[str, Any]:
+        st = self._replica.getStatus()
+        leader = st.get("leader")
+        return {"role": ROLES.get(st.get("state"), str(st.get("state"))),
+                "term": st.get("raft_term"), "commit_index": st.get("commit_idx"),
+                "last_applied": st.get("last_applied"),
+                "apply_lag": max(0, (st.get("commit_idx") or 0) - (st.get("last_applied") or 0)),
+                "leader": None if leader is None else str(leader),
+                "partners": st.get("partner_nodes_count"),
+                "log_entries": st.get("log_len")}
+
+    def destroy(self) -> None:
+        self._replica.destroy()
+
+
+def _reason(code: int) -> str:
+    for name in dir(FAIL_REASON):
+        if not name.startswith("_") and getattr(FAIL_REASON, name) == code:
+            return name.lower().replace("_", " ")
+    return str(code)
+
