@@ -42,6 +42,8 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
                    "the --listen address)"}),
     ("--near-cache-size", {"metavar": "SIZE", "help": "bytes of other nodes' hot chunks "
                            "kept here (default: a tenth of --cache-size)"}),
+    ("--raft-port", {"metavar": "PORT", "help": "this node's Raft port (default: the "
+                     "--listen port + 1)"}),
     ("--peer-timeout", {"metavar": "SECONDS", "help": "take a silent peer off the ring "
                         "after this long (default 5)"}),
     ("--metrics-addr", {"metavar": "HOST:PORT", "help": "serve Prometheus metrics at "
@@ -295,7 +297,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
                   f"{'-' if age is None else f'{age:.0f}s':>7} "
                   f"{'-' if hit is None else f'{100 * hit:.0f}%':>6} "
                   f"{ns.get('s3_requests', '-')}/{ns.get('s3_errors', '-'):<5}")
-        print("  raft: not enabled (membership is the heartbeat view above)")
+        r = cl.get("raft")
+        if r:
+            print(f"  raft: {r['role']}, term {r['term']}, commit index {r['commit_index']}, "
+                  f"apply lag {r['apply_lag']}, leader {r['leader'] or '-'}, "
+                  f"{len(r['members'])} members")
+        else:
+            print("  raft: starting")
     return 0
 
 

@@ -81,6 +81,7 @@ class MountConfig:
     node_id: str | None = None
     near_cache_size: int | None = None  # default: a tenth of cache_size
     peer_timeout: float = 5.0
+    raft_port: int | None = None  # default: the --listen port + 1
     metrics_addr: str | None = None  # HOST:PORT for Prometheus /metrics
     recover_mount: bool = False  # detach a dead mount left at the mountpoint by a crash
 
@@ -153,6 +154,14 @@ def set_option(cfg: MountConfig, key: str, value: object, origin: str) -> None:
     elif name in _BOOL_KEYS:
         if not isinstance(value, bool):
             raise UserError(f"invalid value for {key!r} in {origin}: expected true or false")
+    elif name == "raft_port":
+        try:
+            value = int(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise UserError(f"invalid value for {key!r} in {origin}: expected a port") \
+                from None
+        if not 0 < value < 65536:
+            raise UserError(f"invalid value for {key!r} in {origin}: expected a port")
     elif name == "s3_concurrency":
         if not isinstance(value, int) or isinstance(value, bool):
             raise UserError(f"invalid value for {key!r} in {origin}: expected an integer")

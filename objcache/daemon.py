@@ -150,7 +150,10 @@ class Daemon:
         self.cluster: ClusterNode | None = None
         if cfg.listen:
             key = load_secret(cfg.cluster_secret_file)
-            self.cluster = ClusterNode(cfg, key, self.chunks, bind_listener(cfg.listen))
+            raft_port = cfg.raft_port or int(cfg.listen.rpartition(":")[2]) + 1
+            bind_listener(f"{cfg.listen.rpartition(':')[0]}:{raft_port}").close()  # free?
+            self.cluster = ClusterNode(cfg, key, self.chunks, bind_listener(cfg.listen),
+                                       self.cache_dir.path / "raft")
             self.cluster.local_stats = self.node_stats
         self.local = LocalFiles(self.db, self.cache_dir.path, self.chunks)
         self.fs = Filesystem(cfg, self.store, self.chunks, self.local)
@@ -223,8 +226,7 @@ class Daemon:
             rows[node] = stats if isinstance(stats, dict) else None
         for m in st["members"]:
             m["stats"] = rows.get(m["id"])
-        # Raft (issue 4) is not built yet: membership is the gossip view above.
-        st["raft"] = None
+        st["raft"] = self.cluster.raft_status()
         return st
 
     async def handle_control(self, req: dict[str, Any], uid: int) -> dict[str, Any]:

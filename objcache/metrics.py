@@ -153,6 +153,18 @@ class DaemonCollector:
                      cl.server.connections)
         yield _counter("objcache_peer_connections_rejected", "Inbound peer connections "
                        "dropped (authentication, protocol, timeout)", cl.server.rejected)
+        raft = cl.raft_status()
+        if raft is not None:
+            yield _by(GaugeMetricFamily("objcache_raft_role", "1 for this node's Raft role",
+                                        labels=["role"]),
+                      {r: float(raft["role"] == r) for r in ("leader", "follower", "candidate")})
+            yield _gauge("objcache_raft_term", "Raft term", raft["term"] or 0)
+            yield _gauge("objcache_raft_commit_index", "Raft commit index",
+                         raft["commit_index"] or 0)
+            yield _gauge("objcache_raft_apply_lag", "Committed Raft entries not applied yet",
+                         raft["apply_lag"])
+            yield _gauge("objcache_raft_members", "Members of the Raft group",
+                         len(raft["members"]))
 
 
 def serve(addr: str, daemon: Daemon) -> Any:

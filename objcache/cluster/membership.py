@@ -46,21 +46,26 @@ class Member:
     capacity: int
     incarnation: int
     used: int = 0
+    raft: str = ""  # the node's Raft address
+    raft_n: int = 0  # how many members its Raft group has, as it sees it
     state: str = ALIVE
     last_ok: float = 0.0  # time.monotonic() of the last direct answer
     state_since: float = field(default_factory=time.time)
 
     def record(self) -> dict[str, Any]:
         return {"id": self.id, "addr": self.addr, "cap": self.capacity,
-                "inc": self.incarnation, "used": self.used}
+                "inc": self.incarnation, "used": self.used, "raft": self.raft,
+                "raft_n": self.raft_n}
 
 
 def parse_record(rec: Any) -> Member:
     if not (isinstance(rec, dict) and isinstance(rec.get("id"), str)
             and isinstance(rec.get("addr"), str) and isinstance(rec.get("cap"), int)
-            and isinstance(rec.get("inc"), int) and isinstance(rec.get("used", 0), int)):
+            and isinstance(rec.get("inc"), int) and isinstance(rec.get("used", 0), int)
+            and isinstance(rec.get("raft", ""), str) and isinstance(rec.get("raft_n", 0), int)):
         raise PeerError(f"malformed member record {rec!r:.200}")
-    return Member(rec["id"], rec["addr"], rec["cap"], rec["inc"], rec.get("used", 0))
+    return Member(rec["id"], rec["addr"], rec["cap"], rec["inc"], rec.get("used", 0),
+                  rec.get("raft", ""), rec.get("raft_n", 0))
 
 
 class Membership:
@@ -154,6 +159,7 @@ class Membership:
             raise PeerError(f"node {new.id} at {new.addr} is an old incarnation")
         else:
             m.addr, m.capacity, m.used = new.addr, new.capacity, new.used
+            m.raft, m.raft_n = new.raft, new.raft_n
             if m.state == LEFT:
                 raise PeerError(f"node {new.id} left the cluster")
             if m.state != ALIVE:

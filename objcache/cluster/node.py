@@ -10,23 +10,27 @@ back to S3: a dead peer costs GETs, never a failed read.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import socket
 import stat
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import trio
 
 from objcache.cache.chunks import ChunkCache
-from objcache.cluster.membership import Member, Membership
+from objcache.cluster.membership import ALIVE, LEFT, Member, Membership
 from objcache.cluster.peers import PeerPool, PeerServer, split_addr
 from objcache.cluster.ring import chunk_point
 from objcache.config import MountConfig
 from objcache.errors import PeerError, ProtocolError, UserError
+from objcache.raft.node import NoQuorum, RaftNode
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,7 @@ MAX_OBJECT_SIZE = 5 << 40  # S3's limit; anything larger in a request is garbage
 MAX_PREFETCH_ITEMS = 4096
 PREFETCH_TIMEOUT = 3600.0  # an owner fetching thousands of chunks; cancelled if it dies
 WARM_AGAIN = 10.0  # seconds before the same chunk is worth warming at its owner again
+LONE_GROUP_ENTRIES = 8  # a Raft group of one this short holds only its own start-up
 
 
 def load_secret(path: str | None) -> bytes:
@@ -92,10 +97,15 @@ def _bad_item() -> Any:
 
 class ClusterNode:
     def __init__(self, cfg: MountConfig, key: bytes, chunks: ChunkCache,
-                 sock: socket.socket) -> None:
+                 sock: socket.socket, raft_dir: Path) -> None:
         assert cfg.listen
         self.node_id = cfg.node_id or cfg.listen
         self.listen = cfg.listen
+        host, port = split_addr(cfg.listen)
+        self.raft_addr = f"{host}:{cfg.raft_port or port + 1}"
+        self.raft_dir = raft_dir
+        self.raft_secret = key.hex()
+        self.raft: RaftNode | None = None
         self.chunks = chunks
         self.chunk_size = chunks.chunk_size
         # Requests wait as long as an owner may need to fetch from S3; a peer that stops
@@ -103,7 +113,8 @@ class ClusterNode:
         self.request_timeout = cfg.s3_retry_seconds + 10
         self.pool = PeerPool(key, self.node_id)
         seeds = [p.strip() for p in (cfg.peers or "").split(",") if p.strip()]
-        me = Member(self.node_id, cfg.listen, cfg.cache_size, time.time_ns())
+        me = Member(self.node_id, cfg.listen, cfg.cache_size, time.time_ns(),
+                    raft=self.raft_addr)
         self.membership = Membership(me, seeds, self.pool, cfg.peer_timeout,
                                      used=lambda: chunks.used)
         self.membership.on_suspect = self._cancel_requests_to
@@ -122,10 +133,138 @@ class ClusterNode:
         await nursery.start(trio.serve_listeners, self.server.serve_one, [listener])
         await self.membership.join()
         nursery.start_soon(self.membership.run)
+        nursery.start_soon(self._raft_supervisor)
+
+    # -- Raft -----------------------------------------------------------------------------
+
+    def _start_raft(self, partners: list[str]) -> None:
+        """Start our Raft member. The partners it starts with are saved: pysyncobj's
+        journal records membership changes relative to them, so a restart with the same
+        cache dir must start from the same list."""
+        saved = self.raft_dir / "partners.json"
+        self.raft_dir.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(partners))
+        self.raft = RaftNode(self.raft_addr, partners, self.raft_dir, self.raft_secret)
+        log.info("raft member %s started with partners %s", self.raft_addr, partners or "none")
+
+    def _best_group(self) -> Member | None:
+        """The member whose Raft group to join: the largest group, then the lowest id."""
+        others = [m for m in self.membership.members.values()
+                  if m.state == ALIVE and m.raft and m.raft_n >= 1]  # 0: not started yet
+        return min(others, key=lambda m: (-m.raft_n, m.id), default=None)
+
+    async def _ask_to_add(self, first: Member) -> list[str] | None:
+        """Have a member add us to its group; its members (us included) if it did."""
+        others = [m for m in self.membership.members.values()
+                  if m.state == ALIVE and m.raft and m is not first]
+        for m in [first, *others]:
+            got = await self._call(m.id, {"op": "raft_add", "raft": self.raft_addr},
+                                   max_data=0, timeout=30.0)
+            members = None if got is None else got[0].get("members")
+            if isinstance(members, list) and self.raft_addr in members:
+                log.info("raft: added to the group through %s", m.id)
+                return [str(a) for a in members]
+        return None
+
+    async def _join_group_of(self, best: Member | None) -> None:
+        """Start our member with `best`'s group as partners, then have us added to it
+        (pysyncobj wants the new node running first: the change needs its vote)."""
+        members: list[str] = []
+        if best is not None:
+            got = await self._call(best.id, {"op": "raft_members"}, max_data=0, timeout=10.0)
+            found = None if got is None else got[0].get("members")
+            if isinstance(found, list):
+                members = [str(a) for a in found if a != self.raft_addr]
+        self._start_raft(members)
+        if best is not None and members:
+            await self._ask_to_add(best)
+
+    async def _enter_group(self) -> None:
+        saved = self.raft_dir / "partners.json"
+        if saved.exists():  # restarted with our cache dir: replay our log
+            self._start_raft(json.loads(saved.read_text()))
+            return
+        await self._join_group_of(self._best_group())
+
+    async def _raft_supervisor(self) -> None:
+        """Get into the cluster's Raft group and stay there.
+
+        A starting node asks a member to add it (any member forwards that to the leader)
+        and then starts with that group's members as partners; with nobody to ask it forms
+        a group of one. Nodes started at the same moment (a DaemonSet rollout) may each
+        have formed a group of one: a lone node that still holds only its start-up entries
+        and sees a larger group, or a lone node with a lower id, discards its group and
+        joins that one, so the cluster converges on one group. Then our membership record
+        is committed, once per incarnation. Nothing waits for this; it retries."""
+        me = self.membership.me
+        await self._enter_group()
+        assert self.raft is not None
+        recorded = False
+        while True:
+            try:
+                me.raft_n = len(self.raft.members())
+                best = self._best_group()
+                yield_to_best = best is not None and (
+                    best.raft_n > 1 or (best.raft_n == 1 and best.id < me.id))
+                if (me.raft_n == 1 and yield_to_best and best is not None
+                        and (self.raft.status().get("log_entries") or 0) <= LONE_GROUP_ENTRIES):
+                    log.info("raft: leaving our group of one to join %s's", best.id)
+                    self.raft.destroy()
+                    shutil.rmtree(self.raft_dir, ignore_errors=True)
+                    await self._join_group_of(best)
+                    recorded = False
+                await self._remove_departed()
+                if not recorded:
+                    await self.raft.submit({"op": "member", "node": me.id, "addr": me.addr,
+                                            "cap": me.capacity,
+                                            "tx": f"member/{me.id}/{me.incarnation}"},
+                                           timeout=10)
+                    recorded = True
+            except NoQuorum as e:
+                log.info("raft: %s", e)
+            await trio.sleep(3 if recorded else 1)
+
+    async def _remove_departed(self) -> None:
+        """As leader, take members that left the cluster cleanly out of the Raft group (a
+        leaving leader cannot remove itself; its successor does it here). Crashed members
+        stay: they may come back with their log."""
+        assert self.raft is not None
+        if self.raft.status().get("role") != "leader":
+            return
+        departed = {m.raft for m in self.membership.members.values()
+                    if m.state == LEFT and m.raft}
+        for addr in sorted(departed & set(self.raft.members())):
+            log.info("raft: removing %s, which left the cluster", addr)
+            await self.raft.remove_member(addr, timeout=10)
 
     async def leave(self) -> None:
+        if self.raft is not None:
+            me = self.membership.me
+            with trio.move_on_after(5):
+                try:
+                    await self.raft.submit({"op": "member", "node": me.id, "remove": True,
+                                            "tx": f"leave/{me.id}/{me.incarnation}"},
+                                           timeout=4)
+                    if self.raft.status().get("role") != "leader":
+                        for m in list(self.membership.members.values()):
+                            if m.state == ALIVE and await self._call(
+                                    m.id, {"op": "raft_remove", "raft": self.raft_addr},
+                                    max_data=0, timeout=4.0) is not None:
+                                break
+                except NoQuorum as e:
+                    log.warning("could not leave the Raft group cleanly: %s", e)
         await self.membership.leave()
         await self.pool.aclose()
+        if self.raft is not None:
+            self.raft.destroy()
+
+    def raft_status(self) -> dict[str, Any] | None:
+        if self.raft is None:
+            return None
+        st = self.raft.status()
+        st["members"] = self.raft.members()
+        st["self"] = self.raft_addr
+        return st
 
     # -- serving peers --------------------------------------------------------------------
 
@@ -181,6 +320,21 @@ class ClusterNode:
             return {"bytes": dropped, "pinned_kept": kept}, None
         if op == "stats":
             return {"stats": self.local_stats()}, None
+        if op == "raft_members":
+            return {"members": self.raft.members() if self.raft else []}, None
+        if op in ("raft_add", "raft_remove"):
+            addr = _str(msg, "raft")
+            try:
+                split_addr(addr)
+            except ValueError as e:
+                raise ProtocolError(str(e)) from None
+            if self.raft is None:
+                raise PeerError("raft is not running here yet")
+            if op == "raft_add":
+                await self.raft.add_member(addr, timeout=25)
+            else:
+                await self.raft.remove_member(addr, timeout=25)
+            return {"members": self.raft.members()}, None
         raise ProtocolError(f"unknown request {op!r:.50} from {peer}")
 
     # -- ChunkPeers: what the chunk cache asks ---------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from objcache.cluster.wire import FrameStream, client_handshake, server_handshake
-from objcache.errors import NotFound, PeerError, ProtocolError, StaleObject
+from objcache.errors import NotFound, ObjcacheError, PeerError, ProtocolError, StaleObject
 from objcache.metrics import PEER_SECONDS
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class PeerServer:
                     "stale" if isinstance(e, StaleObject) else "failed")
             if code == "failed":
                 log.warning("peer request %r from %s failed: %s", msg.get("op"), node, e,
-                            exc_info=not isinstance(e, PeerError | OSError))
+                            exc_info=not isinstance(e, ObjcacheError | OSError))
             return {"error": code, "msg": str(e)}, None
 
 

@@ -122,26 +122,51 @@ class RaftNode:
     def state(self) -> ClusterState:
         return self._replica.state
 
-    async def submit(self, cmd: dict[str, Any], timeout: float = 10.0) -> Any:
-        """Commit `cmd` through the log and return what applying it returned."""
+    async def _call(self, what: str, start: Any, timeout: float) -> Any:
+        """Run a pysyncobj call that reports through callback(result, error) and wait for
+        it from trio; NoQuorum if it fails or does not answer within `timeout`."""
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
         box: dict[str, Any] = {}
 
-        def callback(result: Any, error: int) -> None:  # on pysyncobj's thread
+        def callback(result: Any, error: Any) -> None:  # on pysyncobj's thread
             box["result"], box["error"] = result, error
             token.run_sync_soon(done.set)
 
-        self._replica._apply(msgpack.packb(cmd, use_bin_type=True), callback=callback,
-                             timeout=timeout)
+        start(callback)
         with trio.move_on_after(timeout + 2):
             await done.wait()
         if not done.is_set():
-            raise NoQuorum(f"raft command {cmd.get('op')!r} got no answer in {timeout:.0f}s")
-        if box["error"] != FAIL_REASON.SUCCESS:
-            raise NoQuorum(f"raft command {cmd.get('op')!r} failed: "
-                           f"{_reason(box['error'])}")
+            raise NoQuorum(f"raft {what} got no answer in {timeout:.0f}s")
+        if box["error"] not in (FAIL_REASON.SUCCESS, None):
+            raise NoQuorum(f"raft {what} failed: {_reason(box['error'])}")
         return box["result"]
+
+    async def submit(self, cmd: dict[str, Any], timeout: float = 10.0) -> Any:
+        """Commit `cmd` through the log and return what applying it returned."""
+        blob = msgpack.packb(cmd, use_bin_type=True)
+        return await self._call(f"command {cmd.get('op')!r}", lambda cb: self._replica._apply(
+            blob, callback=cb, timeout=timeout), timeout)
+
+    def members(self) -> list[str]:
+        """The Raft group as this node's log has it (itself included)."""
+        st = self._replica.getStatus()
+        prefix = "partner_node_status_server_"
+        return sorted([self.addr] + [k[len(prefix):] for k in st if k.startswith(prefix)])
+
+    async def add_member(self, addr: str, timeout: float = 10.0) -> None:
+        """Add a node to the group (one change at a time, through the log)."""
+        if addr in self.members():
+            return
+        await self._call(f"add of {addr}",
+                         lambda cb: self._replica.addNodeToCluster(addr, callback=cb), timeout)
+
+    async def remove_member(self, addr: str, timeout: float = 10.0) -> None:
+        if addr not in self.members():
+            return
+        await self._call(f"removal of {addr}",
+                         lambda cb: self._replica.removeNodeFromCluster(addr, callback=cb),
+                         timeout)
 
     def status(self) -> dict[str, Any]:
         st = self._replica.getStatus()

@@ -33,7 +33,8 @@ class Cluster:
         i = len(self.nodes)
         addr = f"127.0.0.1:{free_port()}"
         peers = ",".join(self.addrs) if peers is None else peers
-        flags = ["--listen", addr, "--cluster-secret-file", str(secret or self.secret),
+        flags = ["--listen", addr, "--raft-port", str(free_port()),
+                 "--cluster-secret-file", str(secret or self.secret),
                  "--cache-size", "1G", "--peer-timeout", "3", *extra]
         if peers:
             flags += ["--peers", peers]
@@ -44,6 +45,19 @@ class Cluster:
         self.nodes.append(m)
         self.addrs.append(addr)
         return m.start() if start else m
+
+    def wait_raft(self, nodes: list[Mount], members: int, timeout: float = 30) -> list[dict]:  # type: ignore[type-arg]
+        """Until the nodes agree on one Raft group of `members` with one leader."""
+        deadline = time.monotonic() + timeout
+        while True:
+            rafts = [n.status()["cluster"]["raft"] for n in nodes]
+            if (all(r is not None and len(r["members"]) == members for r in rafts)
+                    and len({r["leader"] for r in rafts}) == 1 and rafts[0]["leader"]
+                    and len({r["term"] for r in rafts}) == 1):
+                return rafts
+            if time.monotonic() > deadline:
+                raise AssertionError(f"raft views: {rafts}")
+            time.sleep(0.3)
 
     def wait_members(self, nodes: list[Mount], alive: int, timeout: float = 20) -> None:
         """Until every node in `nodes` sees `alive` live members (itself included)."""

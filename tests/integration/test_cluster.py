@@ -77,6 +77,9 @@ def test_three_nodes_fetch_a_file_from_s3_once(s3, bucket, cluster, proxy):  # t
         assert st["cache"]["bytes_served_to_peers"] >= 8 * MIB, st["cache"]
         shares = [m["ring_share"] for m in st["cluster"]["members"]]
         assert len(shares) == 3 and abs(sum(shares) - 1) < 0.01 and min(shares) > 0.15
+    # One Raft group of the three, one leader, the same term, every membership recorded.
+    rafts = cluster.wait_raft(nodes, 3)
+    assert sorted(r["role"] for r in rafts) == ["follower", "follower", "leader"]
     for n in nodes:
         assert not n.errors_in_log(), n.errors_in_log()
 
@@ -128,6 +131,7 @@ def test_late_joiner_reads_without_refetching(s3, bucket, cluster, proxy):  # ty
     assert _read_all([late.mnt / "ds" / "shard.bin"]) == [digest]
 
     assert proxy.get_object_bytes == 0, proxy.requests
+    cluster.wait_raft([*first, late], 3)  # the late node joined the Raft group too
     # The late node owns its share of the 16 chunks and took them over from their previous
     # owners (ring computed here the way the daemons compute it: ids = addresses, equal
     # capacities).

@@ -35,7 +35,10 @@ def test_metrics_follow_reads_writes_and_peers(s3, bucket, cluster):  # type: ig
     b = cluster.add("--chunk-size", "5M")
     cluster.wait_members([a, b], 2)
 
+    cluster.wait_raft([a, b], 2)
     before = _scrape(addr)
+    assert _v(before, "objcache_raft_members") == 2 and _v(before, "objcache_raft_term") >= 1
+    assert sum(_v(before, "objcache_raft_role", role=r) for r in ("leader", "follower")) == 1
     assert all(name.startswith("objcache_") or name.startswith("python_")
                or name.startswith("process_") for name, _ in before)
     assert _v(before, "objcache_cluster_members", state="alive") == 2
