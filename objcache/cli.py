@@ -92,6 +92,16 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evict", help="drop clean cached data under PATH")
     ev.add_argument("paths", nargs="+", metavar="PATH")
 
+    bn = sub.add_parser("bench", help="benchmark a mounted directory")
+    bn.add_argument("path", metavar="PATH")
+    bn.add_argument("--big-size", default="256M", help="size of each big file (256M)")
+    bn.add_argument("--big-files", type=int, default=None,
+                    help="big files, one per thread at a time (default: --threads)")
+    bn.add_argument("--small-count", type=int, default=1000, help="small files (1000)")
+    bn.add_argument("--small-size", default="16K", help="size of each small file (16K)")
+    bn.add_argument("--threads", type=int, default=4, help="parallel workers (4)")
+    bn.add_argument("--json", action="store_true", help="machine-readable output")
+
     cn = sub.add_parser("csi-node", help="run the Kubernetes CSI node plugin")
     cn.add_argument("--endpoint", required=True, metavar="unix:///PATH",
                     help="the gRPC socket kubelet talks to")
@@ -244,6 +254,14 @@ def _cmd_unpin_or_evict(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from objcache import bench
+    if args.threads < 1 or args.small_count < 1:
+        raise UserError("--threads and --small-count must be at least 1")
+    return bench.main(args.path, args.big_size, args.big_files or args.threads,
+                      args.small_count, args.small_size, args.threads, args.json)
+
+
 def _cmd_csi_node(args: argparse.Namespace) -> int:
     from objcache.csi import node
     from objcache.daemon import setup_logging
@@ -313,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"mount": _cmd_mount, "umount": _cmd_umount, "flush": _cmd_flush,
                 "status": _cmd_status, "prefetch": _cmd_prefetch,
                 "unpin": _cmd_unpin_or_evict, "evict": _cmd_unpin_or_evict,
-                "csi-node": _cmd_csi_node,
+                "csi-node": _cmd_csi_node, "bench": _cmd_bench,
                 }[args.command](args)
     except UserError as e:
         print(f"objcache {args.command}: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import mmap
 import os
 import stat
@@ -349,3 +350,18 @@ def test_transient_s3_errors_are_retried(s3, bucket, proxy, mounts, tmp_path):  
     st = m.status()["s3"]
     assert sum(st["retries"].values()) >= 2, st
     assert not m.errors_in_log()
+
+
+def test_bench_command(mount):  # type: ignore
+    m = mount()
+    r = objcache("bench", str(m.mnt), "--json", "--big-size", "8M", "--big-files", "2",
+                 "--small-count", "40", "--small-size", "4K", "--threads", "2")
+    res = json.loads(r.stdout)
+    assert res["big_write"]["MBps"] > 0 and res["big_read"]["MBps"] > 0
+    assert res["small_write"]["files_per_s"] > 0 and res["small_read"]["files_per_s"] > 0
+    assert res["stat"]["ops_per_s"] > 0 and res["list"]["entries"] == 40
+    assert [n for n in os.listdir(m.mnt) if n.startswith(".objcache-bench")] == []
+    human = objcache("bench", str(m.mnt), "--big-size", "5M", "--small-count", "10").stdout
+    assert "big file read" in human and "small file write" in human
+    bad = objcache("bench", str(m.mnt / "missing"), check=False)
+    assert bad.returncode == 1 and "is not a directory" in bad.stderr
