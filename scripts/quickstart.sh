@@ -22,7 +22,8 @@ if ! { [ -f "$DEMO/weed.pid" ] && kill -0 "$(cat "$DEMO/weed.pid")" 2>/dev/null;
  "actions":["Admin","Read","Write","List","Tagging"]}]}
 JSON
     setsid .venv/bin/weed mini -dir="$DEMO/weed" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
-        -s3.config="$DEMO/s3.json" > "$DEMO/weed.log" 2>&1 < /dev/null &
+        -s3.config="$DEMO/s3.json" -s3.port.iceberg=0 -s3.port.lance=0 \
+        > "$DEMO/weed.log" 2>&1 < /dev/null &
     echo $! > "$DEMO/weed.pid"
 fi
 .venv/bin/python - <<'PY'

@@ -57,6 +57,8 @@ class SeaweedFS:
                 f"-s3.config={cfg}", f"-s3.port={base}", f"-master.port={base + 1}",
                 f"-volume.port={base + 2}", f"-filer.port={base + 3}",
                 f"-admin.port={base + 4}", f"-webdav.port={base + 5}", "-webdav=false",
+                # Fixed-port side services (8181, 9101) would collide between servers.
+                "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-admin.ui=false"]
         self.log = open(self.workdir / "weed.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
