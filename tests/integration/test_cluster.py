@@ -172,6 +172,14 @@ def test_wrong_secret_and_garbage_are_refused(s3, bucket, cluster, tmp_path):  #
     assert _refused(addr, b"")
     assert time.monotonic() - t0 < 30
 
+    # The Raft port too: garbage and a frame of nonsense do not disturb the group.
+    raft_addr = cluster.wait_raft([a, b], 2)[0]["self"]
+    for junk in (os.urandom(64 * 1024), struct.pack(">I", 0x7FFFFFFF) + os.urandom(1024)):
+        host, port = raft_addr.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(junk)
+            time.sleep(0.5)
+
     # A daemon with another secret cannot join: a clear error and a non-zero exit.
     bad = tmp_path / "bad.key"
     bad.write_text(os.urandom(32).hex())
@@ -187,6 +195,7 @@ def test_wrong_secret_and_garbage_are_refused(s3, bucket, cluster, tmp_path):  #
     st = a.status()["cluster"]
     assert st["peer_connections_rejected"] >= 4, st
     assert [m["state"] for m in st["members"]].count("alive") == 1
+    cluster.wait_raft([a, b], 2)  # still one group with a leader
 
 
 def test_a_hung_peer_is_routed_around_and_comes_back(s3, bucket, cluster):  # type: ignore
