@@ -1,0 +1,378 @@
+"""objcache side by side with s3fs-fuse and rclone mount, in one run on one machine.
+
+    .venv/bin/python -m benchmarks.compare [--small-files 10000] [--big-size 1G]
+
+Starts SeaweedFS on 127.0.0.1, creates the data, and measures the ceilings (boto3 parallel
+ranged GETs and multipart PUT, a page-cache read of a local file), objcache on one node
+and on a 3-node cluster, and s3fs-fuse and rclone mount with their disk caches on (Debian
+packages `s3fs` and `rclone`, installed here if missing). Workloads: sequential read of
+the big file cold / warm / re-read; the small files read cold and warm; `ls -l` of their
+directory cold and warm; writing a checkpoint of the big size (until close() returns and
+until it is in S3); a node reading the big file that another node cached, against boto3;
+prefetch of the small files; peak daemon RSS. Writes docs/benchmarks-compare.md (a table
+with the ratios) and docs/benchmarks-compare.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from benchmarks.single_node import boto3_download, drop_page_cache, read_file
+from objcache.config import parse_size
+from tests.helpers.cluster import Cluster
+from tests.helpers.mount import Mount, objcache
+from tests.helpers.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS
+
+MiB = 1 << 20
+DOCS = Path(__file__).parents[1] / "docs"
+
+
+class RSS:
+    """Samples a process's resident memory (and its children's) until stopped."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                with open(f"/proc/{self.pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS:"):
+                            self.peak = max(self.peak, int(line.split()[1]) * 1024)
+            except OSError:
+                return
+
+    def stop(self) -> int:
+        self._stop.set()
+        return self.peak
+
+
+def _read_tree(root: Path, names: list[str], threads: int = 8) -> float:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda n: (root / n).read_bytes(), names))
+    return time.perf_counter() - t0
+
+
+def _ls_l(path: Path) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(["ls", "-l", str(path)], check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def _write_checkpoint(path: Path, size: int, s3: Any, bucket: str, key: str) -> tuple[float,
+                                                                                      float]:
+    block = os.urandom(MiB)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    t0 = time.perf_counter()
+    for _ in range(size // MiB):
+        os.write(fd, block)
+    os.close(fd)
+    closed = time.perf_counter() - t0
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            if s3.head_object(Bucket=bucket, Key=key)["ContentLength"] == size:
+                break
+        except Exception:
+            pass
+        time.sleep(0.1)
+    return closed, time.perf_counter() - t0
+
+
+class System:
+    """One filesystem under test: mount() returns (mountpoint, pid) and umount()."""
+
+    def __init__(self, name: str, mount: Callable[[], tuple[Path, int]],
+                 umount: Callable[[], None]) -> None:
+        self.name, self.mount, self.umount = name, mount, umount
+
+
+def _fuse_umount(path: Path) -> None:
+    for cmd in (["fusermount3", "-uz", str(path)], ["fusermount", "-uz", str(path)],
+                ["umount", "-l", str(path)]):
+        if subprocess.run(cmd, capture_output=True).returncode == 0:
+            return
+
+
+def _wait_mounted(path: Path, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if os.path.ismount(path):
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"mount of {path} exited {proc.returncode}")
+        time.sleep(0.1)
+    raise RuntimeError(f"{path} did not mount")
+
+
+def _measure(sys_: System, s3: Any, bucket: str, big: str, big_size: int, small: list[str],
+             r: dict[str, Any]) -> None:
+    """The per-system workloads. Cold numbers come from a fresh mount and cache."""
+    mnt, pid = sys_.mount()
+    rss = RSS(pid)
+    try:
+        drop_page_cache()
+        r["ls_cold_s"] = _ls_l(mnt / "small")
+        r["ls_warm_s"] = _ls_l(mnt / "small")
+        drop_page_cache()
+        r["small_cold_s"] = _read_tree(mnt / "small", small)
+        drop_page_cache()
+        r["small_warm_s"] = _read_tree(mnt / "small", small)
+        drop_page_cache()
+        r["seq_cold_s"] = read_file(mnt / big)
+        drop_page_cache()
+        r["seq_warm_s"] = read_file(mnt / big)
+        r["reread_s"] = read_file(mnt / big)
+        key = f"ckpt-{sys_.name}.bin"
+        r["ckpt_close_s"], r["ckpt_in_s3_s"] = _write_checkpoint(mnt / key, big_size, s3,
+                                                                 bucket, key)
+    finally:
+        r["peak_rss_bytes"] = rss.stop()
+        sys_.umount()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--small-files", type=int, default=10_000)
+    ap.add_argument("--big-size", default="1G")
+    args = ap.parse_args()
+    big_size = parse_size(args.big_size)
+    for pkg, binary in (("s3fs", "s3fs"), ("rclone", "rclone")):
+        if shutil.which(binary) is None:
+            subprocess.run(["apt-get", "install", "-y", "-q", pkg], capture_output=True)
+
+    work = Path(tempfile.mkdtemp(prefix="objcache-compare-"))
+    weed = SeaweedFS(work)
+    weed.start()
+    results: dict[str, dict[str, Any]] = {}
+    mounts: list[Mount] = []
+    try:
+        s3 = weed.client()
+        bucket = "cmp"
+        s3.create_bucket(Bucket=bucket)
+        src = work / "big.src"
+        with open(src, "wb") as f:
+            for _ in range(big_size // (64 * MiB) or 1):
+                f.write(os.urandom(min(big_size, 64 * MiB)))
+        t0 = time.perf_counter()
+        s3.upload_file(str(src), bucket, "big.bin")
+        ceil: dict[str, Any] = {"multipart_put_s": time.perf_counter() - t0}
+        body = os.urandom(16 * 1024)
+        small = [f"{i:05d}.rec" for i in range(args.small_files)]
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda n: s3.put_object(Bucket=bucket, Key=f"small/{n}", Body=body),
+                          small))
+        ceil["parallel_get_s"] = boto3_download(s3, bucket, "big.bin", big_size)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda n: s3.get_object(Bucket=bucket,
+                                                  Key=f"small/{n}")["Body"].read(), small))
+        ceil["small_get_s"] = time.perf_counter() - t0
+        read_file(src)
+        ceil["page_cache_read_s"] = read_file(src)
+        results["ceilings"] = ceil
+
+        def objcache_mount(tag: str) -> tuple[Path, int]:
+            m = Mount(weed.endpoint, bucket, work / f"mnt-{tag}", work / f"cache-{tag}",
+                      "--cache-size", "8G", "--log-level", "warning")
+            mounts.append(m)
+            m.start()
+            assert m.proc is not None
+            return m.mnt, m.proc.pid
+
+        def objcache_umount() -> None:
+            mounts[-1].stop()
+
+        systems = [System("objcache", lambda: objcache_mount("one"), objcache_umount)]
+
+        procs: list[subprocess.Popen[bytes]] = []
+        creds = work / "s3fs.passwd"
+        creds.write_text(f"{ACCESS_KEY}:{SECRET_KEY}\n")
+        creds.chmod(0o600)
+
+        def s3fs_mount() -> tuple[Path, int]:
+            mnt = work / "mnt-s3fs"
+            mnt.mkdir(exist_ok=True)
+            p = subprocess.Popen(["s3fs", bucket, str(mnt), "-f", "-o",
+                                  f"url={weed.endpoint},use_path_request_style,"
+                                  f"passwd_file={creds},use_cache={work / 's3fs-cache'},"
+                                  "parallel_count=8,multipart_size=16"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs.append(p)
+            _wait_mounted(mnt, p)
+            return mnt, p.pid
+
+        def rclone_mount() -> tuple[Path, int]:
+            mnt = work / "mnt-rclone"
+            mnt.mkdir(exist_ok=True)
+            env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}  # plain http
+            env.update(RCLONE_CONFIG_B_TYPE="s3", RCLONE_CONFIG_B_PROVIDER="Other",
+                       RCLONE_CONFIG_B_ENDPOINT=weed.endpoint,
+                       RCLONE_CONFIG_B_ACCESS_KEY_ID=ACCESS_KEY,
+                       RCLONE_CONFIG_B_SECRET_ACCESS_KEY=SECRET_KEY)
+            p = subprocess.Popen(["rclone", "mount", f"b:{bucket}", str(mnt),
+                                  "--vfs-cache-mode", "full", "--cache-dir",
+                                  str(work / "rclone-cache"), "--dir-cache-time", "1h"],
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs.append(p)
+            _wait_mounted(mnt, p)
+            return mnt, p.pid
+
+        def stop_last(path_name: str) -> Callable[[], None]:
+            def stop() -> None:
+                _fuse_umount(work / path_name)
+                p = procs[-1]
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+                    try:
+                        p.wait(30)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+            return stop
+
+        if shutil.which("s3fs"):
+            systems.append(System("s3fs", s3fs_mount, stop_last("mnt-s3fs")))
+        if shutil.which("rclone"):
+            systems.append(System("rclone", rclone_mount, stop_last("mnt-rclone")))
+        for sys_ in systems:
+            r: dict[str, Any] = {}
+            try:
+                _measure(sys_, s3, bucket, "big.bin", big_size, small, r)
+            except Exception as e:  # one failing system must not lose the others' figures
+                r["error"] = f"{type(e).__name__}: {e}"
+            results[sys_.name] = r
+            print(sys_.name, json.dumps(r), flush=True)
+
+        # The cluster: node 1 reads what node 0 cached; prefetch of the small files.
+        cl: dict[str, Any] = {}
+        (work / "cluster").mkdir()
+        cluster = Cluster(weed.endpoint, bucket, work / "cluster", mounts)
+        nodes = [cluster.add("--cache-size", "8G", "--log-level", "warning")
+                 for _ in range(3)]
+        cluster.wait_members(nodes, 3)
+        drop_page_cache()
+        cl["cold_s"] = read_file(nodes[0].mnt / "big.bin")
+        drop_page_cache()
+        cl["peer_read_s"] = read_file(nodes[1].mnt / "big.bin")
+        out = json.loads(objcache("prefetch", "--json", str(nodes[2].mnt / "small"),
+                                  timeout=1800).stdout)
+        cl["prefetch_small_s"] = out["seconds"]
+        cl["prefetch_fetched"] = out["bytes_fetched"]
+        results["objcache_3_nodes"] = cl
+    finally:
+        for m in mounts:
+            m.stop()
+        weed.stop()
+    write_report(results, big_size, args.small_files)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def write_report(res: dict[str, Any], big_size: int, n_small: int) -> None:
+    gb = big_size / 1e9
+    c = res["ceilings"]
+    o, f, rc = res.get("objcache", {}), res.get("s3fs", {}), res.get("rclone", {})
+    cl = res.get("objcache_3_nodes", {})
+
+    def rate(d: dict[str, Any], k: str) -> float | None:
+        return gb / d[k] if d.get(k) else None
+
+    def files(d: dict[str, Any], k: str) -> float | None:
+        return n_small / d[k] if d.get(k) else None
+
+    rows = [
+        ("seq read cold (GB/s)", rate(o, "seq_cold_s"), rate(f, "seq_cold_s"),
+         rate(rc, "seq_cold_s"), "vs boto3 ceiling " + _ratio(rate(o, "seq_cold_s"),
+                                                             gb / c["parallel_get_s"])),
+        ("seq read warm (GB/s)", rate(o, "seq_warm_s"), rate(f, "seq_warm_s"),
+         rate(rc, "seq_warm_s"), "vs s3fs " + _ratio(rate(o, "seq_warm_s"),
+                                                     rate(f, "seq_warm_s"))),
+        ("re-read (GB/s)", rate(o, "reread_s"), rate(f, "reread_s"), rate(rc, "reread_s"),
+         "vs page cache " + _ratio(rate(o, "reread_s"), gb / c["page_cache_read_s"])),
+        (f"{n_small} x 16 KiB cold (files/s)", files(o, "small_cold_s"),
+         files(f, "small_cold_s"), files(rc, "small_cold_s"),
+         "vs s3fs " + _ratio(files(o, "small_cold_s"), files(f, "small_cold_s"))
+         + ", vs rclone " + _ratio(files(o, "small_cold_s"), files(rc, "small_cold_s"))),
+        (f"{n_small} x 16 KiB warm (files/s)", files(o, "small_warm_s"),
+         files(f, "small_warm_s"), files(rc, "small_warm_s"), ""),
+        ("ls -l cold (s)", o.get("ls_cold_s"), f.get("ls_cold_s"), rc.get("ls_cold_s"),
+         "rclone / objcache " + _ratio(rc.get("ls_cold_s"), o.get("ls_cold_s"))),
+        ("ls -l warm (s)", o.get("ls_warm_s"), f.get("ls_warm_s"), rc.get("ls_warm_s"), ""),
+        ("checkpoint close() (s)", o.get("ckpt_close_s"), f.get("ckpt_close_s"),
+         rc.get("ckpt_close_s"), "boto3 upload / objcache close " + _ratio(
+             c["multipart_put_s"], o.get("ckpt_close_s"))),
+        ("checkpoint in S3 (s)", o.get("ckpt_in_s3_s"), f.get("ckpt_in_s3_s"),
+         rc.get("ckpt_in_s3_s"), ""),
+        ("peak daemon RSS (MB)", (o.get("peak_rss_bytes") or 0) / 1e6,
+         (f.get("peak_rss_bytes") or 0) / 1e6, (rc.get("peak_rss_bytes") or 0) / 1e6, ""),
+    ]
+    lines = ["# Benchmarks against the peers (`python -m benchmarks.compare`)", "",
+             "One run on one 2-vCPU machine, SeaweedFS on 127.0.0.1, "
+             f"a {big_size // MiB} MiB file and {n_small} files of 16 KiB. Caches dropped "
+             "(`drop_caches`) before cold and warm reads; cold numbers come from a fresh "
+             "mount and cache.", "",
+             "| Workload | objcache | s3fs-fuse | rclone mount | ratio |",
+             "|---|---|---|---|---|"]
+    for name, a, b, d, note in rows:
+        cells = ["-" if v is None else f"{v:.3f}" for v in (a, b, d)]
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {cells[2]} | {note} |")
+    lines += ["", "Ceilings: boto3 8 x 8 MiB ranged GETs "
+              f"{gb / c['parallel_get_s']:.2f} GB/s; boto3 multipart PUT "
+              f"{c['multipart_put_s']:.2f} s; boto3 16 threads over the small files "
+              f"{n_small / c['small_get_s']:.0f} files/s; page-cache read "
+              f"{gb / c['page_cache_read_s']:.2f} GB/s.", ""]
+    if cl:
+        lines += [f"3-node objcache cluster: cold read on node 0 {gb / cl['cold_s']:.2f} GB/s; "
+                  f"node 1 reading what the cluster holds {gb / cl['peer_read_s']:.2f} GB/s "
+                  f"(boto3 ceiling {gb / c['parallel_get_s']:.2f} GB/s); prefetch of the "
+                  f"{n_small} small files {n_small / cl['prefetch_small_s']:.0f} files/s "
+                  f"(boto3 16 threads {n_small / c['small_get_s']:.0f} files/s).", ""]
+    for name in ("objcache", "s3fs", "rclone"):
+        if res.get(name, {}).get("error"):
+            lines.append(f"{name} failed: {res[name]['error']}")
+    lines += ["", "Raw figures:", "", "```", json.dumps(res, indent=1, default=str), "```", ""]
+    (DOCS / "benchmarks-compare.md").write_text("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart")
+        return
+    labels = ["seq cold", "seq warm", "small cold", "small warm"]
+    series = {n: [rate(res.get(n, {}), "seq_cold_s") or 0, rate(res.get(n, {}), "seq_warm_s")
+                  or 0, (files(res.get(n, {}), "small_cold_s") or 0) / 1000,
+                  (files(res.get(n, {}), "small_warm_s") or 0) / 1000]
+              for n in ("objcache", "s3fs", "rclone")}
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.25
+    for i, (n, vals) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(labels))], vals, width, label=n)
+    ax.set_xticks([x + width for x in range(len(labels))], labels)
+    ax.set_ylabel("GB/s (sequential) / thousand files/s (small)")
+    ax.set_title("objcache vs s3fs-fuse vs rclone mount (higher is better)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(DOCS / "benchmarks-compare.png", dpi=100)
+
+
+if __name__ == "__main__":
+    main()
