@@ -69,6 +69,9 @@ class FileHandle:
     next_offset: int = -1  # where a sequential reader will read next (readahead)
 
 
+RELIST_AFTER_STALE_LOOKUPS = 16
+
+
 class Filesystem:
     """Attributes:
     inodes: ino -> Inode for everything the kernel or a listing may refer to.
@@ -91,6 +94,7 @@ class Filesystem:
         self._next_ino = ROOT_INO + 1
         self._next_fh = 1
         self._head_inflight: dict[str, trio.Event] = {}
+        self._list_inflight: dict[int, trio.Event] = {}
         root = Inode(ROOT_INO, "", DEFAULT_DIR_MODE, self.uid, self.gid)
         root.mtime_ns = time.time_ns()
         root.lookups = 1
@@ -296,6 +300,16 @@ class Filesystem:
                 return inode
             if inode.meta_loaded and self._fresh(inode.checked):
                 return inode
+            if inode.meta_loaded:
+                # Many children of one directory going stale (the next epoch over a
+                # dataset): one LIST page per 1000 of them confirms their ETags, instead
+                # of a HEAD each. A few stale lookups still HEAD.
+                parent.stale_lookups += 1
+                if parent.stale_lookups >= RELIST_AFTER_STALE_LOOKUPS:
+                    await self._relist(parent)
+                    inode = self.inodes.get((parent.children or {}).get(name, -1)) or inode
+                    if inode.meta_loaded and self._fresh(inode.checked):
+                        return inode
             return await self._revalidate(inode)
         if key in self.local.by_key:
             inode = self._new_inode(key, DEFAULT_FILE_MODE)
@@ -316,6 +330,20 @@ class Filesystem:
         if parent.children is not None:
             parent.children[name] = inode.ino
         return inode
+
+    async def _relist(self, d: Inode) -> None:
+        """List `d` again, once for all the lookups that are waiting on it."""
+        ev = self._list_inflight.get(d.ino)
+        if ev is not None:
+            await ev.wait()
+            return
+        ev = self._list_inflight[d.ino] = trio.Event()
+        try:
+            if not self._fresh(d.listed):
+                await self._list(d, force=True)
+        finally:
+            del self._list_inflight[d.ino]
+            ev.set()
 
     async def lookup(self, parent_ino: int, name: bytes | str) -> Attr:
         parent = self._dir(parent_ino)
@@ -392,6 +420,7 @@ class Filesystem:
                         self._detach(inode)
         d.children = children
         d.listed = time.monotonic()
+        d.stale_lookups = 0
         return children
 
     @staticmethod

@@ -45,7 +45,7 @@ class Inode:
 
     __slots__ = ("ino", "key", "mode", "size", "uid", "gid", "mtime_ns", "etag",
                  "meta_loaded", "checked", "lookups", "children", "listed", "target",
-                 "in_s3", "content_gen", "kernel_gen", "created")
+                 "in_s3", "content_gen", "kernel_gen", "created", "stale_lookups")
 
     def __init__(self, ino: int, key: str, mode: int, uid: int, gid: int) -> None:
         self.ino = ino
@@ -61,6 +61,7 @@ class Inode:
         self.lookups = 0
         self.children: dict[str, int] | None = None
         self.listed = 0.0
+        self.stale_lookups = 0  # children revalidated one by one since the last listing
         self.target: bytes | None = None
         self.in_s3 = False
         self.content_gen = 0

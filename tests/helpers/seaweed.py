@@ -59,6 +59,9 @@ class SeaweedFS:
                 f"-admin.port={base + 4}", f"-webdav.port={base + 5}", "-webdav=false",
                 # Fixed-port side services (8181, 9101) would collide between servers.
                 "-s3.port.iceberg=0", "-s3.port.lance=0",
+                # Every bucket is a collection that grows its own volumes: the default
+                # (free disk / 128 MB) ran out after ~45 test buckets on a fuller disk.
+                "-volume.max=3000",
                 "-admin.ui=false"]
         self.log = open(self.workdir / "weed.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,

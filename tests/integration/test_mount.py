@@ -365,3 +365,26 @@ def test_bench_command(mount):  # type: ignore
     assert "big file read" in human and "small file write" in human
     bad = objcache("bench", str(m.mnt / "missing"), check=False)
     assert bad.returncode == 1 and "is not a directory" in bad.stderr
+
+
+def test_an_epoch_after_the_ttl_relists_instead_of_a_head_per_file(s3, bucket, mount):  # type: ignore
+    names = [f"ds/{i:03d}.rec" for i in range(60)]
+    for n in names:
+        s3.put_object(Bucket=bucket, Key=n, Body=n.encode())
+    m = mount("--metadata-ttl", "1")
+    for n in names:  # epoch 1: a HEAD per file (its metadata), a LIST for the directory
+        assert (m.mnt / n).read_bytes() == n.encode()
+    before = m.status()["s3"]["requests"]
+    time.sleep(1.5)  # every entry is stale now, in the kernel and here
+    for n in names:  # epoch 2
+        assert (m.mnt / n).read_bytes() == n.encode()
+    after = m.status()["s3"]["requests"]
+    heads = after.get("head", 0) - before.get("head", 0)
+    lists = after.get("list", 0) - before.get("list", 0)
+    assert heads <= 20 and lists >= 1, (heads, lists)  # was 60 HEADs
+    # A changed object is still noticed.
+    s3.put_object(Bucket=bucket, Key=names[-1], Body=b"changed")
+    time.sleep(1.5)
+    for n in names[:-1]:
+        (m.mnt / n).read_bytes()
+    assert (m.mnt / names[-1]).read_bytes() == b"changed"
