@@ -14,11 +14,17 @@ Run: .venv/bin/python -m benchmarks.cluster   (starts its own SeaweedFS on 127.0
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
 
-from benchmarks.single_node import GiB, MiB, boto3_download, drop_page_cache, read_file
+from benchmarks.single_node import (
+    GiB,
+    MiB,
+    boto3_download,
+    drop_page_cache,
+    read_file,
+    upload_random,
+)
 from tests.helpers.cluster import Cluster
 from tests.helpers.mount import Mount
 from tests.helpers.seaweed import SeaweedFS
@@ -33,12 +39,7 @@ def main() -> None:
     try:
         s3 = weed.client()
         s3.create_bucket(Bucket="bench")
-        src = work / "src.bin"
-        with open(src, "wb") as f:
-            for _ in range(GiB // (64 * MiB)):
-                f.write(os.urandom(64 * MiB))
-        s3.upload_file(str(src), "bench", "model.bin")
-        src.unlink()
+        upload_random(s3, work, "bench", "model.bin", GiB).unlink()
         r["boto3_parallel_get_s"] = boto3_download(s3, "bench", "model.bin", GiB)
 
         cluster = Cluster(weed.endpoint, "bench", work, mounts)

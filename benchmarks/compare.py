@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.single_node import boto3_download, drop_page_cache, read_file
+from benchmarks.single_node import boto3_download, drop_page_cache, read_file, upload_random
 from objcache.config import parse_size
 from tests.helpers.cluster import Cluster
 from tests.helpers.mount import Mount, objcache
@@ -166,13 +166,9 @@ def main() -> None:
         s3 = weed.client()
         bucket = "cmp"
         s3.create_bucket(Bucket=bucket)
-        src = work / "big.src"
-        with open(src, "wb") as f:
-            for _ in range(big_size // (64 * MiB) or 1):
-                f.write(os.urandom(min(big_size, 64 * MiB)))
         t0 = time.perf_counter()
-        s3.upload_file(str(src), bucket, "big.bin")
-        ceil: dict[str, Any] = {"multipart_put_s": time.perf_counter() - t0}
+        src = upload_random(s3, work, bucket, "big.bin", big_size)
+        ceil: dict[str, Any] = {"multipart_put_s": time.perf_counter() - t0}  # (+ local write)
         body = os.urandom(16 * 1024)
         small = [f"{i:05d}.rec" for i in range(args.small_files)]
         with ThreadPoolExecutor(16) as pool:

@@ -53,6 +53,16 @@ def boto3_download(s3, bucket: str, key: str, size: int, part: int = 8 * MiB,  #
     return time.perf_counter() - t0
 
 
+def upload_random(s3, work: Path, bucket: str, key: str, size: int) -> Path:  # type: ignore
+    """Put `size` random bytes at `key` (multipart, as boto3 does); returns the local copy."""
+    src = work / f"{key.replace('/', '_')}.src"
+    with open(src, "wb") as f:
+        for _ in range(max(1, size // (64 * MiB))):
+            f.write(os.urandom(min(size, 64 * MiB)))
+    s3.upload_file(str(src), bucket, key)
+    return src
+
+
 def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="objcache-bench-"))
     weed = SeaweedFS(work)
@@ -62,11 +72,7 @@ def main() -> None:
     try:
         s3 = weed.client()
         s3.create_bucket(Bucket="bench")
-        src = work / "src.bin"
-        with open(src, "wb") as f:
-            for _ in range(GiB // (64 * MiB)):
-                f.write(os.urandom(64 * MiB))
-        s3.upload_file(str(src), "bench", "big.bin")
+        src = upload_random(s3, work, "bench", "big.bin", GiB)
         results["boto3_parallel_get_s"] = boto3_download(s3, "bench", "big.bin", GiB)
         m = Mount(weed.endpoint, "bench", work / "mnt", work / "cache", "--cache-size", "4G",
                   "--writeback-delay", "3600", "--log-level", "info").start()

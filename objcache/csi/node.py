@@ -69,6 +69,13 @@ def _abort(ctx: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> Any:
     ctx.abort(code, msg)
 
 
+def _require(ctx: grpc.ServicerContext, request: Any, *fields: str) -> None:
+    """INVALID_ARGUMENT for the first required field the request leaves empty."""
+    for name in fields:
+        if not getattr(request, name):
+            _abort(ctx, grpc.StatusCode.INVALID_ARGUMENT, f"{name} is missing")
+
+
 class Identity(pbg.IdentityServicer):
     def __init__(self, plugin: NodePlugin) -> None:
         self.plugin = plugin
@@ -128,10 +135,7 @@ class Node(pbg.NodeServicer):
             _mount(None, target, MS_BIND | MS_REMOUNT | MS_RDONLY)
 
     def NodePublishVolume(self, request: Any, context: Any) -> Any:
-        if not request.volume_id:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "volume_id is missing")
-        if not request.target_path:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "target_path is missing")
+        _require(context, request, "volume_id", "target_path")
         if not request.HasField("volume_capability"):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "volume_capability is missing")
         if request.volume_capability.HasField("block"):
@@ -164,10 +168,7 @@ class Node(pbg.NodeServicer):
         return pb.NodePublishVolumeResponse()
 
     def NodeUnpublishVolume(self, request: Any, context: Any) -> Any:
-        if not request.volume_id:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "volume_id is missing")
-        if not request.target_path:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "target_path is missing")
+        _require(context, request, "volume_id", "target_path")
         target = request.target_path
         with self._lock:
             try:
@@ -188,10 +189,7 @@ class Node(pbg.NodeServicer):
         return pb.NodeUnpublishVolumeResponse()
 
     def NodeGetVolumeStats(self, request: Any, context: Any) -> Any:
-        if not request.volume_id:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "volume_id is missing")
-        if not request.volume_path:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "volume_path is missing")
+        _require(context, request, "volume_id", "volume_path")
         path = request.volume_path
         if not os.path.lexists(path):
             _abort(context, grpc.StatusCode.NOT_FOUND, f"{path} does not exist")
