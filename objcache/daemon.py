@@ -29,7 +29,7 @@ from objcache import __version__
 from objcache.cache.chunks import ChunkCache
 from objcache.cache.localfiles import LocalFiles
 from objcache.cache.statedb import StateDB
-from objcache.cluster.node import ClusterNode, bind_listener, load_secret
+from objcache.cluster.node import ClusterNode, bind_listener, load_secret, raft_address
 from objcache.config import MountConfig
 from objcache.control import ControlChannel
 from objcache.core.filesystem import Filesystem
@@ -150,8 +150,7 @@ class Daemon:
         self.cluster: ClusterNode | None = None
         if cfg.listen:
             key = load_secret(cfg.cluster_secret_file)
-            raft_port = cfg.raft_port or int(cfg.listen.rpartition(":")[2]) + 1
-            bind_listener(f"{cfg.listen.rpartition(':')[0]}:{raft_port}").close()  # free?
+            bind_listener(raft_address(cfg)).close()  # a taken Raft port fails here, clearly
             self.cluster = ClusterNode(cfg, key, self.chunks, bind_listener(cfg.listen),
                                        self.cache_dir.path / "raft")
             self.cluster.local_stats = self.node_stats
@@ -166,11 +165,13 @@ class Daemon:
 
     # -- control requests -----------------------------------------------------------------
 
+    def _hit_ratio(self) -> float | None:
+        reads = self.chunks.stats.hits + self.chunks.stats.misses
+        return round(self.chunks.stats.hits / reads, 4) if reads else None
+
     def status(self) -> dict[str, Any]:
         c = self.chunks
-        dirty = list(self.local.dirty_files())
-        oldest = min((lf.dirty_since or time.time() for lf in dirty), default=None)
-        reads = c.stats.hits + c.stats.misses
+        dirty_files, dirty_bytes, oldest_age = self.local.dirty_summary()
         return {
             "ok": True, "version": __version__, "pid": os.getpid(),
             "mountpoint": self.mountpoint,
@@ -190,10 +191,9 @@ class Daemon:
                       "pinned_bytes": c.pinned_bytes,
                       "near_cache_bytes": c.near_bytes,
                       "near_cache_capacity_bytes": c.near_capacity if self.cluster else 0,
-                      "hit_ratio": round(c.stats.hits / reads, 4) if reads else None},
-            "dirty": {"files": len(dirty), "bytes": sum(lf.size for lf in dirty),
-                      "oldest_age_seconds": None if oldest is None
-                      else round(time.time() - oldest, 1)},
+                      "hit_ratio": self._hit_ratio()},
+            "dirty": {"files": dirty_files, "bytes": dirty_bytes,
+                      "oldest_age_seconds": oldest_age},
             "writeback": {"uploaded_files": self.writeback.uploaded_files,
                           "failed_uploads": self.writeback.failed_uploads},
             "s3": self.store.stats.as_dict(),
@@ -203,16 +203,12 @@ class Daemon:
     def node_stats(self) -> dict[str, Any]:
         """This node's row of the cluster-wide status (also served to peers)."""
         c = self.chunks
-        dirty = list(self.local.dirty_files())
-        oldest = min((lf.dirty_since or time.time() for lf in dirty), default=None)
-        reads = c.stats.hits + c.stats.misses
+        dirty_files, dirty_bytes, oldest_age = self.local.dirty_summary()
         s3 = self.store.stats
         return {"cache_used_bytes": c.used, "cache_capacity_bytes": c.capacity,
-                "pinned_bytes": c.pinned_bytes, "dirty_files": len(dirty),
-                "dirty_bytes": sum(lf.size for lf in dirty),
-                "oldest_dirty_seconds": None if oldest is None
-                else round(time.time() - oldest, 1),
-                "hit_ratio": round(c.stats.hits / reads, 4) if reads else None,
+                "pinned_bytes": c.pinned_bytes, "dirty_files": dirty_files,
+                "dirty_bytes": dirty_bytes, "oldest_dirty_seconds": oldest_age,
+                "hit_ratio": self._hit_ratio(),
                 "s3_requests": sum(s3.requests.values()),
                 "s3_errors": sum(s3.errors.values())}
 
@@ -300,7 +296,7 @@ class Daemon:
             first = len(refs)
             refs += [(str(key), str(etag), int(size), i) for i in range(-(-int(size) // cs))]
             spans.append((first, len(refs)))
-        outcomes = await self.chunks.warm(refs, pin)
+        outcomes = await self.chunks.ensure_many(refs, pin)
         results: list[list[Any]] = []
         for (_, size, _), (a, b) in zip(files, spans, strict=True):
             fetched = cached = 0

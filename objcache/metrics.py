@@ -11,7 +11,6 @@ the collector only reads plain ints and takes snapshots of dicts.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -95,23 +94,20 @@ class DaemonCollector:
         requests = dict(s3.requests)  # errors and retries get a zero for every op seen,
         errors = dict.fromkeys(requests, 0) | dict(s3.errors)  # so rate() works from the
         retries = dict.fromkeys(requests, 0) | dict(s3.retries)  # first failure on
-        yield _by(CounterMetricFamily("objcache_s3_requests", "S3 requests (attempts) by "
-                                      "operation", labels=["op"]), requests)
-        yield _by(CounterMetricFamily("objcache_s3_errors", "Failed S3 attempts by operation",
-                                      labels=["op"]), errors)
-        yield _by(CounterMetricFamily("objcache_s3_retries", "Retried S3 requests by "
-                                      "operation", labels=["op"]), retries)
+        for name, doc, values in (
+                ("objcache_s3_requests", "S3 requests (attempts) by operation", requests),
+                ("objcache_s3_errors", "Failed S3 attempts by operation", errors),
+                ("objcache_s3_retries", "Retried S3 requests by operation", retries)):
+            yield _by(CounterMetricFamily(name, doc, labels=["op"]), values)
         yield _by(CounterMetricFamily("objcache_s3_bytes", "Bytes moved to and from S3",
                                       labels=["direction"]),
                   {"down": s3.bytes_in, "up": s3.bytes_out})
 
-        dirty = [lf for lf in list(d.local.by_key.values()) if lf.dirty]
-        oldest = min((lf.dirty_since for lf in dirty if lf.dirty_since), default=None)
-        yield _gauge("objcache_dirty_files", "Files written and not yet in S3", len(dirty))
-        yield _gauge("objcache_dirty_bytes", "Bytes of files not yet in S3",
-                     sum(lf.size for lf in dirty))
+        dirty_files, dirty_bytes, oldest_age = d.local.dirty_summary()
+        yield _gauge("objcache_dirty_files", "Files written and not yet in S3", dirty_files)
+        yield _gauge("objcache_dirty_bytes", "Bytes of files not yet in S3", dirty_bytes)
         yield _gauge("objcache_flush_lag_seconds", "Age of the oldest change not yet in S3",
-                     0 if oldest is None else max(0.0, time.time() - oldest))
+                     oldest_age or 0.0)
         yield _counter("objcache_uploads", "Files uploaded by write-back",
                        d.writeback.uploaded_files)
         yield _counter("objcache_upload_failures", "Write-back uploads that failed (retried)",
@@ -135,8 +131,7 @@ class DaemonCollector:
         states: dict[str, float] = {"alive": 1, "suspect": 0, "dead": 0, "left": 0,
                                     "joining": 0}
         for m in list(cl.membership.members.values()):
-            state = "suspect" if m.id in cl.membership.suspects and m.state == "alive" \
-                else m.state
+            state = cl.membership.shown_state(m)
             states[state] = states.get(state, 0) + 1
         yield _by(GaugeMetricFamily("objcache_cluster_members", "Members known to this node "
                                     "by state (itself counted alive)", labels=["state"]),

@@ -49,13 +49,14 @@ class ChunkPeers(Protocol):
         has it cached; never makes anyone fetch from S3."""
         ...
 
-    def warm(self, owner: str, key: str, etag: str, obj_size: int, idxs: list[int]) -> None:
+    def readahead(self, owner: str, key: str, etag: str, obj_size: int, idxs: list[int]
+                  ) -> None:
         """Ask `owner` to start fetching these chunks (readahead), without waiting."""
         ...
 
-    async def warm_remote(self, owner: str, items: list[ChunkRef], pin: bool
+    async def ensure_many_remote(self, owner: str, items: list[ChunkRef], pin: bool
                           ) -> list[str] | None:
-        """Have `owner` run `warm_local` on these chunks and wait for its outcomes."""
+        """Have `owner` run `ensure_many_local` on these chunks and wait for its outcomes."""
         ...
 
 log = logging.getLogger(__name__)
@@ -434,7 +435,7 @@ class ChunkCache:
         self.stats.bytes_served_to_peers += len(data)
         return data
 
-    def prefetch(self, key: str, etag: str, obj_size: int, first: int, count: int) -> None:
+    def readahead(self, key: str, etag: str, obj_size: int, first: int, count: int) -> None:
         """Start background downloads of chunks first..first+count-1 (readahead). In a
         cluster each owner is asked to fetch its own chunks, all owners at once."""
         last = (obj_size - 1) // self.chunk_size
@@ -449,12 +450,12 @@ class ChunkCache:
                 local.append(idx)
             else:
                 remote[owner].append(idx)
-        self.prefetch_local(key, etag, obj_size, local)
+        self.readahead_local(key, etag, obj_size, local)
         if self.peers is not None:
             for owner, idxs in remote.items():
-                self.peers.warm(owner, key, etag, obj_size, idxs)
+                self.peers.readahead(owner, key, etag, obj_size, idxs)
 
-    def prefetch_local(self, key: str, etag: str, obj_size: int, idxs: list[int]) -> None:
+    def readahead_local(self, key: str, etag: str, obj_size: int, idxs: list[int]) -> None:
         """Start background downloads of these chunks into this node's cache."""
         if self._nursery is None:
             return
@@ -462,9 +463,9 @@ class ChunkCache:
             cid = (key, etag, idx)
             if cid in self._index or cid in self._fetching:
                 continue
-            self._nursery.start_soon(self._prefetch_one, key, etag, obj_size, idx)
+            self._nursery.start_soon(self._readahead_one, key, etag, obj_size, idx)
 
-    async def _prefetch_one(self, key: str, etag: str, obj_size: int, idx: int) -> None:
+    async def _readahead_one(self, key: str, etag: str, obj_size: int, idx: int) -> None:
         try:
             await self.ensure(key, etag, obj_size, idx)
         except Exception as e:  # readahead is best effort; the real read reports errors
@@ -480,7 +481,7 @@ class ChunkCache:
         self._insert(ch)
         self.db.execute("UPDATE chunks SET pinned=1 WHERE id=?", (ch.id,))
 
-    async def warm_local(self, items: list[ChunkRef], pin: bool) -> list[str]:
+    async def ensure_many_local(self, items: list[ChunkRef], pin: bool) -> list[str]:
         """Make these chunks cached here (pinned if asked); one outcome per item:
         "cached" (it already was), "fetched", or an error message."""
         out = [""] * len(items)
@@ -508,8 +509,8 @@ class ChunkCache:
                 nursery.start_soon(one, i, ref)
         return out
 
-    async def warm(self, items: list[ChunkRef], pin: bool) -> list[str]:
-        """`warm_local` across the cluster: each owner fetches (and pins) its own chunks, all
+    async def ensure_many(self, items: list[ChunkRef], pin: bool) -> list[str]:
+        """`ensure_many_local` across the cluster: each owner fetches (and pins) its own chunks, all
         owners in parallel; chunks of an owner that cannot answer are fetched here."""
         by_owner: dict[str | None, list[int]] = defaultdict(list)
         for i, (key, etag, _, idx) in enumerate(items):
@@ -521,9 +522,9 @@ class ChunkCache:
             part = [items[i] for i in idxs]
             res = None
             if owner is not None and self.peers is not None:
-                res = await self.peers.warm_remote(owner, part, pin)
+                res = await self.peers.ensure_many_remote(owner, part, pin)
             if res is None:
-                res = await self.warm_local(part, pin)
+                res = await self.ensure_many_local(part, pin)
             for i, r in zip(idxs, res, strict=True):
                 out[i] = r
 

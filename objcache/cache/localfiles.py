@@ -346,6 +346,15 @@ class LocalFiles:
     def dirty_files(self) -> Iterator[LocalFile]:
         return (lf for lf in self.by_key.values() if lf.dirty)
 
+    def dirty_summary(self) -> tuple[int, int, float | None]:
+        """(dirty files, their bytes, seconds since the oldest change not in S3). Safe to
+        call from the metrics thread: it works on a snapshot of the table."""
+        dirty = [lf for lf in list(self.by_key.values()) if lf.dirty]
+        now = time.time()
+        oldest = min((lf.dirty_since or now for lf in dirty), default=None)
+        return len(dirty), sum(lf.size for lf in dirty), \
+            None if oldest is None else round(now - oldest, 1)
+
     def close(self) -> None:
         for lf in self.by_key.values():
             if lf.fd >= 0:

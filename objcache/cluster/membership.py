@@ -355,6 +355,11 @@ class Membership:
         except PeerError:
             pass
 
+    def shown_state(self, m: Member) -> str:
+        """A member's state as status and metrics show it: alive ones that just failed a
+        request or a heartbeat are "suspect"."""
+        return "suspect" if m.state == ALIVE and m.id in self.suspects else m.state
+
     def status(self) -> list[dict[str, Any]]:
         shares = self.ring.shares()
         now = time.monotonic()
@@ -364,8 +369,7 @@ class Membership:
                  "last_seen_seconds": 0.0}]
         for m in sorted(self.members.values(), key=lambda m: m.id):
             rows.append({"id": m.id, "addr": m.addr,
-                         "state": "suspect" if m.id in self.suspects and m.state == ALIVE
-                         else m.state,
+                         "state": self.shown_state(m),
                          "ring_share": round(shares.get(m.id, 0.0), 4),
                          "cache_used_bytes": m.used, "cache_capacity_bytes": m.capacity,
                          "last_seen_seconds": round(now - m.last_ok, 1) if m.last_ok else None})

@@ -77,6 +77,13 @@ def bind_listener(addr: str) -> socket.socket:
     return sock
 
 
+def raft_address(cfg: MountConfig) -> str:
+    """This node's Raft address: the --listen host, port --raft-port (default listen + 1)."""
+    assert cfg.listen
+    host, port = split_addr(cfg.listen)
+    return f"{host}:{cfg.raft_port or port + 1}"
+
+
 def _str(msg: dict[str, Any], name: str) -> str:
     v = msg.get(name)
     if not isinstance(v, str):
@@ -91,18 +98,13 @@ def _int(msg: dict[str, Any], name: str, lo: int, hi: int) -> int:
     return v
 
 
-def _bad_item() -> Any:
-    raise ProtocolError("a prefetch item is not [key, etag, size, idx]")
-
-
 class ClusterNode:
     def __init__(self, cfg: MountConfig, key: bytes, chunks: ChunkCache,
                  sock: socket.socket, raft_dir: Path) -> None:
         assert cfg.listen
         self.node_id = cfg.node_id or cfg.listen
         self.listen = cfg.listen
-        host, port = split_addr(cfg.listen)
-        self.raft_addr = f"{host}:{cfg.raft_port or port + 1}"
+        self.raft_addr = raft_address(cfg)
         self.raft_dir = raft_dir
         self.raft_secret = key.hex()
         self.raft: RaftNode | None = None
@@ -301,17 +303,20 @@ class ClusterNode:
             if (not isinstance(idxs, list) or len(idxs) > 1024
                     or not all(isinstance(i, int) and 0 <= i <= last for i in idxs)):
                 raise ProtocolError("request field 'idxs' is not a list of chunk indexes")
-            self.chunks.prefetch_local(key, etag, size, idxs)
+            self.chunks.readahead_local(key, etag, size, idxs)
             return {}, None
         if op == "prefetch":
             items = msg.get("items")
             if not isinstance(items, list) or len(items) > MAX_PREFETCH_ITEMS:
                 raise ProtocolError("request field 'items' is not a list of chunks")
-            refs = [self._chunk_args(dict(zip(("key", "etag", "size", "idx"), it,
-                                              strict=True)))
-                    if isinstance(it, list) and len(it) == 4 else _bad_item()
-                    for it in items]
-            return {"results": await self.chunks.warm_local(refs, bool(msg.get("pin")))}, None
+            refs = []
+            for it in items:
+                if not (isinstance(it, list) and len(it) == 4):
+                    raise ProtocolError("a prefetch item is not [key, etag, size, idx]")
+                refs.append(self._chunk_args(dict(zip(("key", "etag", "size", "idx"), it,
+                                                      strict=True))))
+            results = await self.chunks.ensure_many_local(refs, bool(msg.get("pin")))
+            return {"results": results}, None
         if op in ("unpin", "evict"):
             prefix = _str(msg, "prefix")
             if op == "unpin":
@@ -396,7 +401,8 @@ class ClusterNode:
                 return got[1]  # type: ignore[return-value]
         return None
 
-    def warm(self, owner: str, key: str, etag: str, obj_size: int, idxs: list[int]) -> None:
+    def readahead(self, owner: str, key: str, etag: str, obj_size: int, idxs: list[int]
+                  ) -> None:
         # A sequential reader asks on every read; tell each owner about a chunk once.
         now = time.monotonic()
         fresh = [i for i in idxs if now - self._warmed.get((key, etag, i), -WARM_AGAIN) >=
@@ -412,7 +418,7 @@ class ClusterNode:
                                  {"op": "warm", "key": key, "etag": etag, "size": obj_size,
                                   "idx": fresh[0], "idxs": fresh}, 0, 5.0)
 
-    async def warm_remote(self, owner: str, items: list[tuple[str, str, int, int]],
+    async def ensure_many_remote(self, owner: str, items: list[tuple[str, str, int, int]],
                           pin: bool) -> list[str] | None:
         results: list[str] = []
         for start in range(0, len(items), MAX_PREFETCH_ITEMS):

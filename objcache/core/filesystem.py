@@ -570,7 +570,7 @@ class Filesystem:
             # Sequential: start the next chunks before waiting for this one, so a cold
             # reader has the whole readahead window in flight from its first read.
             cs = self.chunks.chunk_size
-            self.chunks.prefetch(h.inode.key, h.etag, h.size, offset // cs + 1,
+            self.chunks.readahead(h.inode.key, h.etag, h.size, offset // cs + 1,
                                  self.readahead_chunks)
         data = await self.chunks.read(h.inode.key, h.etag, h.size, offset, size)
         h.next_offset = offset + len(data)

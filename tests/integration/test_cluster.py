@@ -81,6 +81,10 @@ def test_three_nodes_fetch_a_file_from_s3_once(s3, bucket, cluster, proxy):  # t
             assert st["cache"]["bytes_served_to_peers"] >= 8 * MIB, st["cache"]
         shares = [m["ring_share"] for m in st["cluster"]["members"]]
         assert len(shares) == 3 and abs(sum(shares) - 1) < 0.01 and min(shares) > 0.15
+    # Every member's row of `status` carries that member's own figures.
+    rows = nodes[0].status()["cluster"]["members"]
+    assert len(rows) == 3 and all(r["stats"]["cache_capacity_bytes"] == 1 << 30
+                                  and r["stats"]["cache_used_bytes"] > 0 for r in rows), rows
     # One Raft group of the three, one leader, the same term, every membership recorded.
     rafts = cluster.wait_raft(nodes, 3)
     assert sorted(r["role"] for r in rafts) == ["follower", "follower", "leader"]
@@ -120,6 +124,13 @@ def test_kill9_of_a_node_mid_read_does_not_fail_reads(s3, bucket, cluster):  # t
     assert [m["state"] for m in st if m["addr"] == victim.addr] == ["dead"]  # type: ignore
     # And the file stays readable through the two survivors (fresh page cache: reopen).
     assert _read_all([n.mnt / "model.bin" for n in nodes[:2]]) == [digest, digest]
+    # Restarted with its cache dir, the node replays its Raft journal and is back in the
+    # same group (a crashed member is never removed from it).
+    victim.start()
+    cluster.wait_members(nodes, 3)
+    cluster.wait_raft(nodes, 3)
+    log = victim.log_path.read_text()
+    assert log.count("raft member") == 2 and log.count("added to the group") == 1, log[-2000:]
 
 
 def test_late_joiner_reads_without_refetching(s3, bucket, cluster, proxy):  # type: ignore
