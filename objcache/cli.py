@@ -46,6 +46,10 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
                      "--listen port + 1)"}),
     ("--peer-timeout", {"metavar": "SECONDS", "help": "take a silent peer off the ring "
                         "after this long (default 5)"}),
+    ("--replicas", {"metavar": "N", "type": int, "help": "nodes holding each closed, not "
+                    "yet uploaded file (default 2; fewer if fewer nodes are up)"}),
+    ("--txn-timeout", {"metavar": "SECONDS", "help": "fail a namespace change with EIO if "
+                       "the cluster cannot commit it in this long (default 10)"}),
     ("--metrics-addr", {"metavar": "HOST:PORT", "help": "serve Prometheus metrics at "
                         "http://HOST:PORT/metrics"}),
     ("--log-level", {"metavar": "LEVEL", "help": "debug, info, warning or error"}),
@@ -75,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("mountpoint")
     u.add_argument("--timeout", type=float, default=60.0,
                    help="seconds to wait for the daemon to exit after unmounting")
+
+    dr = sub.add_parser("drain", help="cluster: upload or hand off everything this node "
+                        "owns or holds, leave the cluster, unmount")
+    dr.add_argument("mountpoint")
+    dr.add_argument("--timeout", type=float, default=3600.0,
+                    help="seconds to wait for the node to finish and exit")
 
     f = sub.add_parser("flush", help="return once everything dirty under PATH is in S3")
     f.add_argument("path", metavar="MOUNTPOINT[/PATH]")
@@ -199,15 +209,27 @@ def _run_daemon(cfg: MountConfig, ready_fd: int | None) -> int:
     return 0
 
 
+def _running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie waiting for its parent has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _cmd_umount(args: argparse.Namespace) -> int:
     mnt = os.path.abspath(args.mountpoint)
     if not os.path.ismount(mnt):
         raise UserError(f"{mnt} is not mounted")
-    reply = control.request(mnt, {"op": "unmount"})
+    reply = control.request(mnt, {"op": "drain" if args.command == "drain" else "unmount"})
+    if args.command == "drain":
+        print(f"drained {mnt}: {reply.get('flushed', 0)} entries written back in "
+              f"{reply.get('seconds', 0):.2f}s; leaving the cluster")
     pid = int(reply["pid"])
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        if not os.path.ismount(mnt) and not os.path.exists(f"/proc/{pid}"):
+        if not os.path.ismount(mnt) and not _running(pid):
             return 0
         time.sleep(0.05)
     if os.path.ismount(mnt):
@@ -328,7 +350,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"mount": _cmd_mount, "umount": _cmd_umount, "flush": _cmd_flush,
+        return {"mount": _cmd_mount, "umount": _cmd_umount, "drain": _cmd_umount,
+                "flush": _cmd_flush,
                 "status": _cmd_status, "prefetch": _cmd_prefetch,
                 "unpin": _cmd_unpin_or_evict, "evict": _cmd_unpin_or_evict,
                 "csi-node": _cmd_csi_node, "bench": _cmd_bench,

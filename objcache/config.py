@@ -84,6 +84,10 @@ class MountConfig:
     raft_port: int | None = None  # default: the --listen port + 1
     metrics_addr: str | None = None  # HOST:PORT for Prometheus /metrics
     recover_mount: bool = False  # detach a dead mount left at the mountpoint by a crash
+    # Transactions (issue 4): copies of a closed, not yet uploaded file, and how long a
+    # namespace change may wait for a Raft quorum before the call fails with EIO.
+    replicas: int = 2
+    txn_timeout: float = 10.0
 
     def validate(self) -> None:
         if not self.bucket:
@@ -111,6 +115,10 @@ class MountConfig:
             for peer in (self.peers or "").split(","):
                 if peer.strip() and not re.match(r"^\S+:\d{1,5}$", peer.strip()):
                     raise UserError(f"invalid peer address {peer.strip()!r}: expected HOST:PORT")
+        if not 1 <= self.replicas <= 5:
+            raise UserError("invalid replicas: expected 1..5 copies of each dirty file")
+        if self.txn_timeout < 1:
+            raise UserError("invalid txn-timeout: must be at least 1 second")
         if self.peer_timeout < 0.5:
             raise UserError("invalid peer-timeout: must be at least 0.5 seconds")
         if self.near_cache_size is None:
@@ -127,7 +135,8 @@ class MountConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(MountConfig)}
 _SIZE_KEYS = {"cache_size", "chunk_size", "readahead", "near_cache_size"}
-_DURATION_KEYS = {"writeback_delay", "metadata_ttl", "s3_retry_seconds", "peer_timeout"}
+_DURATION_KEYS = {"writeback_delay", "metadata_ttl", "s3_retry_seconds", "peer_timeout",
+                  "txn_timeout"}
 _BOOL_KEYS = {"foreground", "read_only", "allow_other", "recover_mount"}
 
 

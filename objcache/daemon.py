@@ -32,11 +32,16 @@ from objcache.cache.statedb import StateDB
 from objcache.cluster.node import ClusterNode, bind_listener, load_secret, raft_address
 from objcache.config import MountConfig
 from objcache.control import ControlChannel
+from objcache.core.clusterfs import ClusterFilesystem
 from objcache.core.filesystem import Filesystem
 from objcache.core.writeback import Writeback
 from objcache.errors import ObjcacheError, UserError, unwrap
-from objcache.fs.operations import Operations, mount_options, set_read_ahead
+from objcache.fs.operations import KernelNotifier, Operations, mount_options, set_read_ahead
 from objcache.store.s3 import S3Store
+from objcache.txn.coordinator import TxnClient
+from objcache.txn.dirtystore import DirtyStore
+from objcache.txn.flusher import ClusterFlusher
+from objcache.txn.overlay import OverlayStore
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +160,69 @@ class Daemon:
                                        self.cache_dir.path / "raft")
             self.cluster.local_stats = self.node_stats
         self.local = LocalFiles(self.db, self.cache_dir.path, self.chunks)
-        self.fs = Filesystem(cfg, self.store, self.chunks, self.local)
+        self.flusher: ClusterFlusher | None = None
+        if self.cluster is not None:
+            self._discard_unclosed()
+            chunks = self.chunks
+
+            def charge(n: int) -> bool:
+                if not chunks.make_room(n):
+                    return False
+                chunks.local_bytes += n
+                return True
+
+            def release(n: int) -> None:
+                chunks.local_bytes -= n
+
+            self.dirty = DirtyStore(self.cache_dir.path, charge, release)
+            self.txn = TxnClient(self.cluster, self.dirty, cfg.replicas, cfg.txn_timeout)
+            self.fs: Filesystem = ClusterFilesystem(
+                cfg, OverlayStore(self.store, self.txn), self.chunks, self.local, self.txn,
+                self.dirty)
+            self.flusher = ClusterFlusher(self.store, self.txn, self.dirty, cfg.chunk_size,
+                                          cfg.writeback_delay)
+            self.cluster.on_ns_changes = self.fs.apply_changes
+        else:
+            self.fs = Filesystem(cfg, self.store, self.chunks, self.local)
         self.writeback = Writeback(cfg, self.store, self.local, self.fs.uploaded)
         self.control = ControlChannel(self.handle_control)
         if cfg.metrics_addr:
             from objcache import metrics
             self.metrics_server = metrics.serve(cfg.metrics_addr, self)
         self.ops = Operations(self.fs, self.writeback, self.control)
+
+    def _discard_unclosed(self) -> None:
+        """In a cluster a file is committed at close(); working copies left by a crash
+        were never closed (never acknowledged): they go, like unsynced writes."""
+        n = 0
+        for lf in list(self.local.by_key.values()):
+            if lf.dirty:
+                n += 1
+            self.local.remove(lf)
+        if n:
+            log.warning("discarded %d files that were open for writing when the previous "
+                        "daemon died (never closed, so never committed)", n)
+
+    async def drain(self) -> dict[str, Any]:
+        """Write back everything we own or hold, so leaving loses nothing."""
+        assert self.flusher is not None and isinstance(self.fs, ClusterFilesystem)
+        t0 = time.monotonic()
+        await self.fs.flush_open_files()
+        n = await self.flusher.flush("mine")
+        alone = len(self.cluster.membership.ring) <= 1 if self.cluster else True
+        if alone:  # the last node: everything is ours (scale to zero)
+            n += await self.flusher.flush("all")
+        secs = round(time.monotonic() - t0, 3)
+        log.info("drained: %d entries written back in %.2fs", n, secs)
+        return {"flushed": n, "seconds": secs}
+
+    async def flush_all(self, prefix: str = "") -> None:
+        if self.flusher is not None:
+            if isinstance(self.fs, ClusterFilesystem):
+                await self.fs.flush_open_files()
+            await self.flusher.flush(prefix or "all")
+        else:
+            await self.writeback.flush(prefix)
 
     # -- control requests -----------------------------------------------------------------
 
@@ -171,7 +232,7 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         c = self.chunks
-        dirty_files, dirty_bytes, oldest_age = self.local.dirty_summary()
+        dirty_files, dirty_bytes, oldest_age = self.dirty_summary()
         return {
             "ok": True, "version": __version__, "pid": os.getpid(),
             "mountpoint": self.mountpoint,
@@ -194,16 +255,23 @@ class Daemon:
                       "hit_ratio": self._hit_ratio()},
             "dirty": {"files": dirty_files, "bytes": dirty_bytes,
                       "oldest_age_seconds": oldest_age},
-            "writeback": {"uploaded_files": self.writeback.uploaded_files,
-                          "failed_uploads": self.writeback.failed_uploads},
+            "writeback": {"uploaded_files": self.flusher.uploaded if self.flusher
+                          else self.writeback.uploaded_files,
+                          "failed_uploads": self.flusher.failed if self.flusher
+                          else self.writeback.failed_uploads},
             "s3": self.store.stats.as_dict(),
             "cluster": self.cluster.status() if self.cluster else None,
         }
 
+    def dirty_summary(self) -> tuple[int, int, float | None]:
+        if self.flusher is not None:
+            return self.flusher.dirty_summary()
+        return self.local.dirty_summary()
+
     def node_stats(self) -> dict[str, Any]:
         """This node's row of the cluster-wide status (also served to peers)."""
         c = self.chunks
-        dirty_files, dirty_bytes, oldest_age = self.local.dirty_summary()
+        dirty_files, dirty_bytes, oldest_age = self.dirty_summary()
         s3 = self.store.stats
         return {"cache_used_bytes": c.used, "cache_capacity_bytes": c.capacity,
                 "pinned_bytes": c.pinned_bytes, "dirty_files": dirty_files,
@@ -251,10 +319,21 @@ class Daemon:
         if op == "flush":
             key = self.fs.key_of(int(req["ino"])) if "ino" in req else ""
             t0 = time.monotonic()
-            await self.writeback.flush(key)
+            await self.flush_all(key)
             return {"ok": True, "seconds": round(time.monotonic() - t0, 3)}
+        if op == "drain":
+            if self.flusher is None:
+                raise UserError("drain is for cluster members (mounted with --listen); "
+                                "use umount")
+            result = await self.drain()
+            self.unmount_requested = True
+            trio.lowlevel.spawn_system_task(self._terminate_soon)
+            return {"ok": True, "pid": os.getpid(), **result}
         if op == "unmount":
-            await self.writeback.flush("")
+            if self.flusher is not None:
+                await self.drain()
+            else:
+                await self.writeback.flush("")
             self.unmount_requested = True
             # Reply first; terminate once this request has been answered.
             trio.lowlevel.spawn_system_task(self._terminate_soon)
@@ -342,7 +421,10 @@ class Daemon:
                 log.info("got %s: uploading dirty files, then unmounting",
                          signal.Signals(signum).name)
                 try:
-                    await self.writeback.flush("")
+                    if self.flusher is not None:
+                        await self.drain()
+                    else:
+                        await self.writeback.flush("")
                 except ObjcacheError as e:
                     log.error("could not upload every dirty file before exit (they stay in "
                               "the cache dir and upload on the next mount): %s", e)
@@ -365,7 +447,12 @@ class Daemon:
                 await self.cluster.start(nursery)
             pyfuse3.init(self.ops, self.mountpoint, mount_options(self.cfg.allow_other))
             self._mounted = True
-            nursery.start_soon(self.writeback.run)
+            if isinstance(self.fs, ClusterFilesystem):
+                self.fs.notify = KernelNotifier()
+            if self.flusher is not None:
+                nursery.start_soon(self.flusher.run)
+            else:
+                nursery.start_soon(self.writeback.run)
             nursery.start_soon(self._signals)
             nursery.start_soon(self._after_init)
             ready()
@@ -377,7 +464,10 @@ class Daemon:
             # what is still dirty while we still can, so "unmounted" means "in S3".
             try:
                 with trio.move_on_after(3600):
-                    await self.writeback.flush("")
+                    if self.flusher is not None:
+                        await self.drain()
+                    else:
+                        await self.writeback.flush("")
             except ObjcacheError as e:
                 log.error("dirty files could not be uploaded before exit; they stay in the "
                           "cache dir and upload on the next mount: %s", e)

@@ -52,7 +52,7 @@ class LocalFile:
     __slots__ = ("fid", "key", "path", "base_key", "base_etag", "base_size", "base_limit",
                  "materialized", "size", "mode", "uid", "gid", "mtime_ns", "dirty",
                  "dirty_since", "etag", "version", "writers", "opens", "lock", "fd",
-                 "last_change", "removed", "charged", "urgent")
+                 "last_change", "removed", "charged", "urgent", "shared")
 
     def __init__(self, fid: int, key: str, path: str) -> None:
         self.fid = fid
@@ -80,6 +80,7 @@ class LocalFile:
         self.removed = False
         self.charged = 0
         self.urgent = False
+        self.shared = False  # its data file is also a sealed blob: copy before changing
 
 
 class LocalFiles:
@@ -216,7 +217,24 @@ class LocalFiles:
     def fully_local(self, lf: LocalFile) -> bool:
         return all(i in lf.materialized for i in range((lf.base_limit + self.cs - 1) // self.cs))
 
+    def unshare(self, lf: LocalFile) -> None:
+        """Give the file its own data file again (the old one is a sealed blob now)."""
+        if not lf.shared:
+            return
+        tmp = lf.path + ".unshare"
+        with open(lf.path, "rb") as src, open(tmp, "wb") as dst:
+            n = os.fstat(src.fileno()).st_size
+            off = 0
+            while off < n:
+                off += os.copy_file_range(src.fileno(), dst.fileno(), n - off)
+        os.rename(tmp, lf.path)
+        if lf.fd >= 0:
+            os.close(lf.fd)
+            lf.fd = -1
+        lf.shared = False
+
     async def write(self, lf: LocalFile, offset: int, data: bytes) -> int:
+        self.unshare(lf)
         end = offset + len(data)
         if lf.base_limit:
             for idx in range(offset // self.cs, (min(end, lf.base_limit) - 1) // self.cs + 1):
@@ -230,6 +248,7 @@ class LocalFiles:
         return n
 
     async def truncate(self, lf: LocalFile, size: int) -> None:
+        self.unshare(lf)
         if size < lf.base_limit:
             if size % self.cs:
                 await self._materialize(lf, size // self.cs)

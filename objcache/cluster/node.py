@@ -126,16 +126,52 @@ class ClusterNode:
         self._inflight: dict[str, set[trio.CancelScope]] = defaultdict(set)
         self._nursery: trio.Nursery | None = None
         self._warmed: OrderedDict[tuple[str, str, int], float] = OrderedDict()
+        self.txn: Any = None  # objcache.txn.coordinator.TxnClient, which sets itself here
+        # Namespace changes applied by Raft (on its thread) go to this, on the trio thread.
+        self.on_ns_changes: Callable[[list[Any], str | None], None] | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
         chunks.peers = self
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Serve peers, then join the cluster (raises UserError if the secret is refused)."""
         self._nursery = nursery
+        self._token = trio.lowlevel.current_trio_token()
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock))
         await nursery.start(trio.serve_listeners, self.server.serve_one, [listener])
         await self.membership.join()
         nursery.start_soon(self.membership.run)
         nursery.start_soon(self._raft_supervisor)
+        if self.txn is not None:
+            await self._catch_up()
+
+    async def _catch_up(self, timeout: float = 60.0) -> None:
+        """Wait until our Raft member has applied the cluster's log (a barrier passed), so
+        that what we mount shows every committed change."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.raft is not None:
+                try:
+                    await self.raft.submit({"op": "ns.noop"}, timeout=5)
+                    self.txn.ready = True
+                    log.info("caught up with the cluster's log in %.2fs",
+                             time.monotonic() - t0)
+                    return
+                except NoQuorum as e:
+                    log.info("waiting for the cluster's log: %s", e)
+            await trio.sleep(0.2)
+        log.warning("could not catch up with the cluster's log in %.0fs; mounting anyway "
+                    "(changes appear as they are applied)", timeout)
+
+    def _ns_changed(self, changes: list[Any], cmd: dict[str, Any]) -> None:
+        """On pysyncobj's thread: hand the changes to the trio thread."""
+        token, listener = self._token, self.on_ns_changes
+        if token is None or listener is None:
+            return
+        by = cmd.get("by")
+        try:
+            token.run_sync_soon(listener, changes, by if isinstance(by, str) else None)
+        except trio.RunFinishedError:
+            pass
 
     # -- Raft -----------------------------------------------------------------------------
 
@@ -147,6 +183,7 @@ class ClusterNode:
         self.raft_dir.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(partners))
         self.raft = RaftNode(self.raft_addr, partners, self.raft_dir, self.raft_secret)
+        self.raft.set_listener(self._ns_changed)
         log.info("raft member %s started with partners %s", self.raft_addr, partners or "none")
 
     def _best_group(self) -> Member | None:
@@ -325,6 +362,10 @@ class ClusterNode:
             return {"bytes": dropped, "pinned_kept": kept}, None
         if op == "stats":
             return {"stats": self.local_stats()}, None
+        if op in ("dread", "dpull"):
+            if self.txn is None:
+                raise PeerError("this node keeps no dirty data")
+            return await self.txn.handle(peer, msg)
         if op == "raft_members":
             return {"members": self.raft.members() if self.raft else []}, None
         if op in ("raft_add", "raft_remove"):

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -67,6 +67,7 @@ class FileHandle:
     etag: str | None = None  # the S3 version a read-only handle reads
     size: int = 0
     next_offset: int = -1  # where a sequential reader will read next (readahead)
+    entry: dict[str, Any] | None = None  # cluster: the namespace entry the handle reads
 
 
 RELIST_AFTER_STALE_LOOKUPS = 16
@@ -401,13 +402,7 @@ class Filesystem:
                     inode = self._new_inode(key, DEFAULT_FILE_MODE)
                 inode = self._apply_info(inode, info)
             children[name] = inode.ino
-        # Files written here but not uploaded yet, and entries created while we listed.
-        for key in self.local.by_key:
-            if parent_key(key) == d.key and key.rpartition("/")[2] not in children:
-                ino = self.by_key.get(key)
-                inode = self.inodes[ino] if ino is not None else self._new_inode(
-                    key, DEFAULT_FILE_MODE)
-                children[key.rpartition("/")[2]] = inode.ino
+        self._merge_unlisted(d, children)
         for name, ino in (d.children or {}).items():
             inode = self.inodes.get(ino)
             if name not in children and inode is not None and inode.created >= started:
@@ -422,6 +417,15 @@ class Filesystem:
         d.listed = time.monotonic()
         d.stale_lookups = 0
         return children
+
+    def _merge_unlisted(self, d: Inode, children: dict[str, int]) -> None:
+        """Add to a fresh listing what S3 does not show yet: files written here."""
+        for key in self.local.by_key:
+            if parent_key(key) == d.key and key.rpartition("/")[2] not in children:
+                ino = self.by_key.get(key)
+                inode = self.inodes[ino] if ino is not None else self._new_inode(
+                    key, DEFAULT_FILE_MODE)
+                children[key.rpartition("/")[2]] = inode.ino
 
     @staticmethod
     def _valid_listed(name: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import stat
 from dataclasses import dataclass
+from typing import Any
 
 ROOT_INO = 1
 CTRL_INO = 0xFFFF_FFFF  # the control file; far above any inode number we hand out
@@ -39,13 +40,14 @@ class Inode:
     checked: monotonic time the attributes were last confirmed by S3.
     children: name -> ino once the directory was listed; None before.
     in_s3: an object (or directory marker) exists in S3 under this key.
+    overlay: in a cluster, the namespace entry (objcache.txn.namespace) this inode shows.
     content_gen: bumped when S3 content changed under us; opens compare it to decide
         whether the kernel may keep its page cache.
     """
 
     __slots__ = ("ino", "key", "mode", "size", "uid", "gid", "mtime_ns", "etag",
                  "meta_loaded", "checked", "lookups", "children", "listed", "target",
-                 "in_s3", "content_gen", "kernel_gen", "created", "stale_lookups")
+                 "in_s3", "content_gen", "kernel_gen", "created", "stale_lookups", "overlay")
 
     def __init__(self, ino: int, key: str, mode: int, uid: int, gid: int) -> None:
         self.ino = ino
@@ -67,7 +69,7 @@ class Inode:
         self.content_gen = 0
         self.kernel_gen = -1
         self.created = 0.0
-
+        self.overlay: dict[str, Any] | None = None  # cluster: the namespace entry last applied
     @property
     def is_dir(self) -> bool:
         return stat.S_ISDIR(self.mode)

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import pyfuse3
+import trio
 
 from objcache.control import ControlChannel
 from objcache.core.filesystem import Filesystem
@@ -248,6 +249,39 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     @fuse_op
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+
+class KernelNotifier:
+    """Tells the kernel to drop what it cached of entries and inodes another node changed.
+    Entries go through pyfuse3's notify thread (invalidating from a request handler can
+    deadlock); inodes are invalidated in a worker thread (it may block)."""
+
+    def __init__(self) -> None:
+        self.limiter = trio.CapacityLimiter(1)
+
+    def entry(self, parent_ino: int, name: str) -> None:
+        pyfuse3.invalidate_entry_async(parent_ino, name.encode(), ignore_enoent=True)
+
+    def inode(self, ino: int) -> None:
+        trio.lowlevel.spawn_system_task(self._inode, ino)
+
+    def attrs_now(self, ino: int) -> None:
+        """Drop the kernel's cached attributes of `ino` before we reply to an open of it,
+        so its reads go up to the new size. Attribute-only invalidation takes no inode
+        lock in the kernel, so it is safe from inside the open request."""
+        try:
+            pyfuse3.invalidate_inode(ino, True)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                log.info("could not invalidate attributes of inode %d: %s", ino, e)
+
+    async def _inode(self, ino: int) -> None:
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False,
+                                          limiter=self.limiter)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                log.info("could not invalidate inode %d: %s", ino, e)
 
 
 def mount_options(allow_other: bool) -> set[str]:

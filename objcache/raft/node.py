@@ -61,7 +61,11 @@ def make_conf(data_dir: Path, secret: str) -> SyncObjConf:
 class _Replica(SyncObj):  # type: ignore[misc]
     def __init__(self, self_addr: str, partners: list[str], conf: SyncObjConf) -> None:
         self.state = ClusterState()
+        self.on_changes: Any = None  # (changes, command) -> None; set before __init__: not dumped
         super().__init__(self_addr, partners, conf=conf)
+        # pysyncobj dumps (log compaction, a snapshot sent to a new follower) only hold
+        # attributes set after its __init__: the state must be one of them.
+        self._SyncObj__properies.discard("state")
 
     # pysyncobj 0.3.17 drops every entry after prevLogIdx whenever a follower holds more
     # than an append_entries message covers, even entries it already applied. With
@@ -107,7 +111,14 @@ class _Replica(SyncObj):  # type: ignore[misc]
             return {"error": f"undecodable command: {e}"}
         if not isinstance(cmd, dict):
             return {"error": "a command must be a map"}
-        return self.state.apply(cmd)
+        result = self.state.apply(cmd)
+        changes = self.state.last_changes
+        if changes and self.on_changes is not None:
+            try:
+                self.on_changes(changes, cmd)
+            except Exception:  # our caches are not the replicated state: never stop Raft
+                log.exception("applying namespace changes to this node's caches failed")
+        return result
 
 
 class RaftNode:
@@ -120,7 +131,11 @@ class RaftNode:
 
     @property
     def state(self) -> ClusterState:
-        return self._replica.state
+        return self._replica.state  # a loaded dump replaces the object: never keep it
+
+    def set_listener(self, fn: Any) -> None:
+        """`fn(changes, command)` runs on Raft's thread after each namespace command."""
+        self._replica.on_changes = fn
 
     async def _call(self, what: str, start: Any, timeout: float) -> Any:
         """Run a pysyncobj call that reports through callback(result, error) and wait for

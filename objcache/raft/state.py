@@ -6,9 +6,11 @@ msgpack maps with an `op` and, for exactly-once application, a transaction id `t
 command whose id was applied already returns the first result again instead of applying
 twice, so a client may retry a command whose reply it lost.
 
-State so far: cluster members, and versioned records by key (the transaction layer keeps
-namespace and dirty state in them). `cas` makes conditional updates possible: the
-version a writer read must still be current.
+State: cluster members, versioned records by key (`cas` makes conditional updates
+possible), and the namespace overlay (objcache.txn.namespace: dirty files, new
+directories, pending deletes and renames), whose commands are the `ns.*` ops. After each
+namespace command, `last_changes` holds what it changed, for the Raft member to hand to
+this node's caches.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from typing import Any
 
 import msgpack
 
+from objcache.txn.namespace import Namespace
+
 MAX_REMEMBERED_TX = 100_000  # ids of applied transactions kept for retries
+
+
+_NS_OPS = {"noop", "create", "commit", "setdir", "unlink", "rmdir", "rename", "clean",
+           "holders"}
 
 
 class StateError(Exception):
@@ -32,7 +40,9 @@ class ClusterState:
         self.members: dict[str, dict[str, Any]] = {}
         self.records: dict[str, tuple[int, Any]] = {}  # key -> (version, value)
         self.applied = 0
+        self.ns = Namespace()
         self._tx: OrderedDict[str, Any] = OrderedDict()
+        self.last_changes: list[Any] = []
         # Raft applies on its own thread while trio reads: one lock around both.
         self.lock = threading.Lock()
 
@@ -50,7 +60,10 @@ class ClusterState:
 
     def apply(self, cmd: dict[str, Any]) -> Any:
         with self.lock:
-            return self._apply(cmd)
+            self.ns.changes = []
+            result = self._apply(cmd)
+            self.last_changes, self.ns.changes = self.ns.changes, []
+        return result
 
     def _apply(self, cmd: dict[str, Any]) -> Any:
         tx = cmd.get("tx")
@@ -61,12 +74,14 @@ class ClusterState:
                 return self._tx[tx]
         op = cmd.get("op")
         handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
+        if isinstance(op, str) and op.startswith("ns.") and op[3:] in _NS_OPS:
+            handler = self._op_ns
         if handler is None:
             result: Any = {"error": f"unknown op {op!r}"}
         else:
             try:
                 result = handler(cmd)
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
                 result = {"error": f"malformed {op}: {e}"}
         self.applied += 1
         if tx is not None:
@@ -114,6 +129,9 @@ class ClusterState:
             versions.append(self._op_cas(o)["version"])
         return {"ok": True, "versions": versions}
 
+    def _op_ns(self, cmd: dict[str, Any]) -> Any:
+        return self.ns.apply(cmd["op"][3:], cmd, self.applied + 1)
+
     def _op_delete(self, cmd: dict[str, Any]) -> Any:
         return {"ok": self.records.pop(str(cmd["key"]), None) is not None}
 
@@ -128,6 +146,7 @@ class ClusterState:
         with self.lock:
             members = sorted(self.members.items())
             records = sorted((k, list(v)) for k, v in self.records.items())
+            entries = sorted((k, sorted(e.items())) for k, e in self.ns.entries.items())
             applied = self.applied
-        blob = msgpack.packb([members, records, applied], use_bin_type=True)
+        blob = msgpack.packb([members, records, entries, applied], use_bin_type=True)
         return hashlib.sha256(blob).hexdigest()

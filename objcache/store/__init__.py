@@ -61,8 +61,10 @@ class ObjectStore(Protocol):
         """Upload a local file (multipart with `part_size` parts when larger); return ETag."""
         ...
 
-    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> str:
-        """Server-side copy; `metadata` replaces the metadata when given. Returns the ETag."""
+    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None,
+                   src_etag: str | None = None) -> str:
+        """Server-side copy; `metadata` replaces the metadata when given; with `src_etag`,
+        StaleObject if the source is no longer that version. Returns the ETag."""
         ...
 
     async def delete(self, key: str) -> None: ...

@@ -370,9 +370,12 @@ class S3Store:
         finally:
             os.close(fd)
 
-    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> str:
+    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None,
+                   src_etag: str | None = None) -> str:
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(dst),
                                 "CopySource": {"Bucket": self.bucket, "Key": self._full(src)}}
+        if src_etag is not None:
+            args["CopySourceIfMatch"] = src_etag
         if metadata is not None:
             args["MetadataDirective"] = "REPLACE"
             args["Metadata"] = metadata

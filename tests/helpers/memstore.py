@@ -84,8 +84,11 @@ class MemoryStore:
         data = await trio.Path(path).read_bytes()
         return self.put(key, data.ljust(size, b"\0"), metadata)
 
-    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> str:
-        body, meta, _, _ = self.objects[src]
+    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None,
+                   src_etag: str | None = None) -> str:
+        body, meta, etag, _ = self.objects[src]
+        if src_etag is not None and etag != src_etag:
+            raise StaleObject(src)
         return self.put(dst, body, meta if metadata is None else metadata)
 
     async def delete(self, key: str) -> None:

@@ -1,0 +1,250 @@
+"""The transaction client: how a node commits namespace changes and replicates closed files.
+
+A filesystem call that changes the namespace builds one `ns.*` command (objcache.txn.
+namespace) and commits it through the Raft log. The command carries a transaction id, so
+resubmitting it after a lost reply or a leader change applies it once; submission is
+retried until a deadline, then the call fails with EIO (NoQuorum) without anything
+half-applied: a command is one log entry, applied whole or not at all.
+
+Closed files are replicated before their commit: the other holders pull the sealed blob
+from this node (`dpull`, then `dread` pieces), so when close() returns the content is on
+`replicas` nodes and the entry naming them is committed.
+
+Reads that must see every earlier close on any node (open, a lookup that found nothing)
+first pass a barrier: a no-op through the log, shared by all callers that arrive while one
+is in flight. A node whose log has applied the no-op has applied everything before it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from objcache.cluster.membership import ALIVE
+from objcache.errors import (
+    Exists,
+    IsADirectory,
+    NotADirectory,
+    NotEmpty,
+    NotFound,
+    ObjcacheError,
+    PeerError,
+    ProtocolError,
+)
+from objcache.raft.node import NoQuorum
+from objcache.raft.state import ClusterState
+from objcache.txn.dirtystore import PIECE, DirtyStore
+
+if TYPE_CHECKING:
+    from objcache.cluster.node import ClusterNode
+
+log = logging.getLogger(__name__)
+
+BARRIER_TIMEOUT = 3.0
+DEGRADED_FOR = 5.0  # after a failed barrier, serve from what we have applied this long
+_ERRORS: dict[str, type[ObjcacheError]] = {
+    "exists": Exists, "notfound": NotFound, "gone": NotFound, "notempty": NotEmpty,
+    "isdir": IsADirectory, "notdir": NotADirectory}
+_EMPTY = ClusterState()
+
+
+class Gone(NotFound):
+    """The file was unlinked by another node before this change committed."""
+
+
+def key_point(key: str) -> str:
+    """The ring point of an inode (its owner): the key itself, directories without '/'."""
+    return "inode\0" + key.rstrip("/")
+
+
+class TxnClient:
+    def __init__(self, node: ClusterNode, dirty: DirtyStore, replicas: int,
+                 timeout: float) -> None:
+        self.node = node
+        self.node_id = node.node_id
+        self.dirty = dirty
+        self.replicas = max(1, replicas)
+        self.timeout = timeout
+        self._seq = itertools.count(1)
+        self._incarnation = uuid.uuid4().hex[:8]
+        self._rounds_started = 0
+        self._rounds_done = 0
+        self._round_running = False
+        self._round_done = trio.Event()
+        self._degraded_until = 0.0
+        self.commits = 0
+        self.barriers = 0
+        self.ready = False  # set once a first barrier passed (we have caught up)
+        node.txn = self
+
+    def caught_up(self) -> bool:
+        """Our Raft member follows a leader and has applied all it knows is committed (so
+        the entries we read are not a stale or empty view)."""
+        raft = self.node.raft
+        if raft is None or not self.ready:
+            return False
+        st = raft.status()
+        return st["leader"] is not None and st["apply_lag"] == 0
+
+    @property
+    def state(self) -> ClusterState:
+        raft = self.node.raft
+        return raft.state if raft is not None else _EMPTY
+
+    # -- committing -----------------------------------------------------------------------
+
+    async def submit(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Commit one command; its result, or the domain error it reports. NoQuorum (EIO)
+        if it could not commit before the deadline."""
+        cmd = dict(cmd, by=self.node_id, tx=f"{self.node_id}/{self._incarnation}/"
+                   f"{next(self._seq)}")
+        deadline = time.monotonic() + self.timeout
+        last: Exception | None = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NoQuorum(f"{cmd['op']} of {cmd.get('key') or cmd.get('src')!r} could "
+                               f"not commit within {self.timeout:.0f}s: {last}")
+            raft = self.node.raft
+            if raft is None:
+                last = NoQuorum("raft is not running yet")
+                await trio.sleep(min(0.2, left))
+                continue
+            try:
+                result = await raft.submit(cmd, timeout=max(0.5, min(left, 5.0)))
+                break
+            except NoQuorum as e:
+                last = e
+                await trio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        self.commits += 1
+        if isinstance(result, dict) and "error" in result:
+            err = _ERRORS.get(str(result["error"]))
+            if err is None:
+                raise ObjcacheError(f"{cmd['op']} refused: {result['error']}")
+            if result["error"] == "gone":
+                raise Gone(str(cmd.get("key")))
+            raise err(str(cmd.get("key") or cmd.get("src")))
+        return result if isinstance(result, dict) else {}
+
+    async def barrier(self) -> None:
+        """Wait until this node has applied everything committed before the call."""
+        if time.monotonic() < self._degraded_until:
+            return
+        want = self._rounds_started + 1  # a round that starts after we arrived
+        while self._rounds_done < want:
+            if self._round_running:
+                await self._round_done.wait()
+                continue
+            self._round_running = True
+            self._rounds_started += 1
+            n = self._rounds_started
+            try:
+                raft = self.node.raft
+                if raft is None:
+                    raise NoQuorum("raft is not running yet")
+                await raft.submit({"op": "ns.noop"}, timeout=BARRIER_TIMEOUT)
+                self.barriers += 1
+            except NoQuorum as e:
+                log.warning("no quorum for a read barrier (%s); serving from what this node "
+                            "has applied for %.0fs", e, DEGRADED_FOR)
+                self._degraded_until = time.monotonic() + DEGRADED_FOR
+                return
+            finally:
+                self._rounds_done = max(self._rounds_done, n)
+                self._round_running = False
+                self._round_done.set()
+                self._round_done = trio.Event()
+
+    # -- placement ------------------------------------------------------------------------
+
+    def owner(self, key: str) -> str:
+        return self.node.membership.owner(key_point(key))
+
+    def _candidates(self, key: str) -> list[str]:
+        """Nodes to hold a replica, best first: the owner, then the ring's successors."""
+        ring = self.node.membership.ring
+        point = key_point(key)
+        skip = set(self.node.membership.suspects) | {self.node_id}
+        out: list[str] = []
+        while True:
+            n = ring.owner(point, skip)
+            if n is None:
+                return out
+            out.append(n)
+            skip.add(n)
+
+    def new_cid(self) -> str:
+        return f"{uuid.uuid4().hex}"
+
+    async def replicate(self, key: str, cid: str, size: int) -> list[str]:
+        """Have `replicas - 1` other nodes pull blob `cid` from us; the holders, us first.
+        With fewer live nodes than that, the copies that could be made."""
+        holders = [self.node_id]
+        for node in self._candidates(key):
+            if len(holders) >= self.replicas:
+                break
+            got = await self.node._call(node, {"op": "dpull", "cid": cid, "size": size,
+                                               "from": self.node_id},
+                                        max_data=0, timeout=self.timeout + 60)
+            if got is not None and got[0].get("ok"):
+                holders.append(node)
+        if len(holders) < min(self.replicas, len(self.node.membership.ring)):
+            log.warning("%r closed with %d copies (wanted %d): not enough live nodes",
+                        key, len(holders), self.replicas)
+        return holders
+
+    async def read_blob(self, cid: str, holders: list[str], offset: int, length: int
+                        ) -> bytes:
+        if length <= 0:
+            return b""
+        if self.dirty.has(cid):
+            return await self.dirty.read(cid, offset, length)
+        for node in holders:
+            if node == self.node_id or self.node.membership.addr_of(node) is None:
+                continue
+            got = await self.node._call(node, {"op": "dread", "cid": cid, "off": offset,
+                                               "len": length},
+                                        max_data=length, timeout=self.node.request_timeout)
+            if got is not None and got[1] is not None:
+                return bytes(got[1])
+        raise PeerError(f"no holder of blob {cid} ({', '.join(holders)}) could serve it")
+
+    async def pull(self, cid: str, size: int, holders: list[str]) -> None:
+        """Get a local copy of blob `cid` from any of `holders`."""
+        live = [h for h in holders if h != self.node_id]
+
+        async def reader(off: int, n: int) -> bytes:
+            return await self.read_blob(cid, live, off, n)
+
+        await self.dirty.pull(cid, size, reader)
+
+    # -- serving peers --------------------------------------------------------------------
+
+    async def handle(self, peer: str, msg: dict[str, Any]
+                     ) -> tuple[dict[str, Any], bytes | None]:
+        op = msg.get("op")
+        cid = msg.get("cid")
+        if not isinstance(cid, str) or not cid or len(cid) > 128 or "/" in cid:
+            raise ProtocolError("request field 'cid' is not a content id")
+        if op == "dread":
+            off, n = msg.get("off"), msg.get("len")
+            if not (isinstance(off, int) and isinstance(n, int) and off >= 0
+                    and 0 <= n <= max(PIECE, self.node.chunk_size)):
+                raise ProtocolError("dread: bad range")
+            data = await self.dirty.read(cid, off, n)
+            return {"data": len(data)}, data
+        if op == "dpull":
+            size, src = msg.get("size"), msg.get("from")
+            if not (isinstance(size, int) and 0 <= size <= 5 << 40 and isinstance(src, str)):
+                raise ProtocolError("dpull: bad size or source")
+            await self.pull(cid, size, [src])
+            return {"ok": True}, None
+        raise ProtocolError(f"unknown request {op!r:.50} from {peer}")
+
+    def live_members(self) -> list[str]:
+        return [m.id for m in self.node.membership.members.values() if m.state == ALIVE]

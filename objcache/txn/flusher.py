@@ -1,0 +1,195 @@
+"""Cluster write-back: each node uploads the namespace entries it owns.
+
+The owner of a key (consistent hashing over the live members) brings S3 in line with its
+entry once the write-back delay has passed, or at once when asked (flush, drain):
+- a file with a blob: multipart upload (one part per chunk) from our copy of the blob,
+  pulled first from a holder if we have none (which also adds a replica);
+- a renamed or re-attributed clean file: a server-side copy from its old object, on the
+  condition that the old object is still the version the entry names;
+- a directory: its marker; an empty file or a symlink: a small PUT;
+- a tombstone: DeleteObject, once no entry still reads the object as its base (and a key
+  that others read as their base is not overwritten until they have copied it).
+Then `ns.clean` commits that the entry is in S3, and it only succeeds if the entry is still
+the version uploaded, so a write racing an upload stays dirty. Owners that disagree during a
+membership change may both upload: the content is the same, and one clean wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from objcache.core.inode import make_meta
+from objcache.errors import ObjcacheError, StaleObject, StoreError
+from objcache.txn.namespace import DIR, FILE, TOMB
+
+if TYPE_CHECKING:
+    from objcache.store import ObjectStore
+    from objcache.txn.coordinator import TxnClient
+    from objcache.txn.dirtystore import DirtyStore
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_FAILURE = 5.0
+GC_EVERY = 2.0
+
+
+class ClusterFlusher:
+    def __init__(self, store: ObjectStore, txn: TxnClient, dirty: DirtyStore,
+                 chunk_size: int, delay: float) -> None:
+        self.store = store
+        self.txn = txn
+        self.dirty = dirty
+        self.chunk_size = chunk_size
+        self.delay = delay
+        self.uploads = trio.CapacityLimiter(16)
+        self.wake = trio.Event()
+        self._running: set[str] = set()
+        self._failed: dict[str, float] = {}
+        self._urgent: set[str] | None = set()  # keys asked for now; None: everything
+        self.uploaded = 0
+        self.failed = 0
+
+    def _snapshot(self) -> list[tuple[str, dict[str, Any]]]:
+        st = self.txn.state
+        with st.lock:
+            return [(k, dict(e)) for k, e in st.ns.entries.items()]
+
+    def _referenced(self, key: str) -> bool:
+        st = self.txn.state
+        with st.lock:
+            return st.ns.referenced(key)
+
+    def _due(self, key: str, e: dict[str, Any], now: float, mine: bool) -> bool:
+        if key in self._running or now - self._failed.get(key, -1e9) < RETRY_AFTER_FAILURE:
+            return False
+        urgent = self._urgent is None or key in self._urgent
+        if not mine and not urgent:
+            return False
+        return urgent or e["t"] == TOMB or time.time() - e.get("at", 0) >= self.delay
+
+    async def run(self) -> None:
+        last_gc = 0.0
+        async with trio.open_nursery() as nursery:
+            while True:
+                self.wake = trio.Event()
+                if self.txn.caught_up():
+                    now = time.monotonic()
+                    for key, e in self._snapshot():
+                        mine = self.txn.owner(key) == self.txn.node_id
+                        if self._due(key, e, now, mine):
+                            self._running.add(key)
+                            nursery.start_soon(self._one, key, e)
+                    if now - last_gc > GC_EVERY:
+                        last_gc = now
+                        st = self.txn.state
+                        with st.lock:
+                            referenced = st.ns.cids()
+                        self.dirty.gc(referenced)
+                with trio.move_on_after(0.5):
+                    await self.wake.wait()
+
+    async def _one(self, key: str, e: dict[str, Any]) -> None:
+        try:
+            async with self.uploads:
+                await self.upload(key, e)
+        except ObjcacheError as ex:
+            self.failed += 1
+            self._failed[key] = time.monotonic()
+            log.warning("write-back of %r failed (it stays dirty, retried in %.0fs): %s",
+                        key, RETRY_AFTER_FAILURE, ex)
+        except Exception:
+            self.failed += 1
+            self._failed[key] = time.monotonic()
+            log.exception("unexpected error writing back %r", key)
+        finally:
+            self._running.discard(key)
+
+    async def upload(self, key: str, e: dict[str, Any]) -> None:
+        """Bring S3 in line with entry `e` of `key`, then commit that it is clean."""
+        if self._referenced(key):
+            return  # someone's base still needs the current object here: later
+        etag: str | None = None
+        if e["t"] == TOMB:
+            await self.store.delete(key)
+        elif e["t"] == DIR:
+            await self.store.put_bytes(key, b"", make_meta(e["mode"], e["uid"], e["gid"],
+                                                           e["mtime"]))
+        elif e["t"] == FILE:
+            meta = make_meta(e["mode"], e["uid"], e["gid"], e["mtime"])
+            if e.get("target") is not None:
+                etag = await self.store.put_bytes(key, bytes(e["target"]), meta)
+            elif e.get("cid"):
+                cid = e["cid"]
+                if not self.dirty.has(cid):
+                    await self.txn.pull(cid, e["size"], e["holders"])
+                    await self.txn.submit({"op": "ns.holders", "key": key, "cid": cid,
+                                           "add": [self.txn.node_id]})
+                etag = await self.store.put_file(key, self.dirty.path(cid), e["size"], meta,
+                                                 self.chunk_size)
+            elif e.get("base"):
+                src, src_etag, _ = e["base"]
+                try:
+                    etag = await self.store.copy(src, key, meta, src_etag=src_etag)
+                except StaleObject:
+                    raise StoreError(f"the object {src!r} that {key!r} was renamed from "
+                                     "changed in S3 behind the cluster's back") from None
+            else:
+                etag = await self.store.put_bytes(key, b"", meta)
+        res = await self.txn.submit({"op": "ns.clean", "key": key, "ver": e["ver"],
+                                     "etag": etag})
+        if res.get("ok"):
+            self.uploaded += 1
+        else:
+            log.debug("%r changed while it was written back; it stays dirty", key)
+
+    async def flush(self, which: str = "all", deadline: float | None = None) -> int:
+        """Write back now and return once done: `which` is "all" (every entry in the
+        cluster: the last node of a cluster, scale to zero), "mine" (what we own or hold
+        a blob of: a node about to leave) or a key prefix. Returns the entries flushed.
+        Raises StoreError past the deadline."""
+        flushed = 0
+        added: set[str] = set()
+        try:
+            while True:
+                todo = [(k, e) for k, e in self._snapshot() if self._wanted(k, e, which)]
+                if not todo:
+                    return flushed
+                flushed = max(flushed, len(todo))
+                await self._push(todo, deadline, added)
+        finally:
+            if self._urgent is not None:
+                self._urgent -= added
+
+    async def _push(self, todo: list[tuple[str, dict[str, Any]]], deadline: float | None,
+                    added: set[str]) -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise StoreError(f"{len(todo)} entries are still dirty after the flush timeout")
+        keys = {k for k, _ in todo}
+        for k in keys - added:
+            self._failed.pop(k, None)  # asked for now: no waiting out an earlier failure
+        if self._urgent is not None:
+            self._urgent |= keys
+        added |= keys
+        self.wake.set()
+        await trio.sleep(0.05)
+
+    def _wanted(self, key: str, e: dict[str, Any], which: str) -> bool:
+        if which == "all":
+            return True
+        if which == "mine":
+            return (self.txn.owner(key) == self.txn.node_id
+                    or (e.get("cid") is not None and self.dirty.has(e["cid"])))
+        return key == which or key.startswith(which.rstrip("/") + "/")
+
+    def dirty_summary(self) -> tuple[int, int, float | None]:
+        """(entries this node owns, their bytes, age of the oldest) for status."""
+        mine = [e for k, e in self._snapshot()
+                if self.txn.owner(k) == self.txn.node_id]
+        now = time.time()
+        oldest = min((e.get("at") or now for e in mine), default=None)
+        return len(mine), sum(e.get("size", 0) for e in mine), \
+            None if oldest is None else round(now - oldest, 1)

@@ -1,0 +1,66 @@
+"""The bucket as the cluster sees it: S3 minus what the namespace overlay has deleted.
+
+A tombstone hides an S3 object from lookups and listings from the moment its unlink or
+rename commits, on every node, although the object itself is deleted later (by its
+owner, at write-back). Reads of object data are not filtered: a renamed file's entry still
+reads its old object until write-back has copied it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from objcache.store import ListPage, ObjectInfo, ObjectStore
+from objcache.txn.namespace import TOMB
+
+if TYPE_CHECKING:
+    from objcache.raft.state import ClusterState
+    from objcache.txn.coordinator import TxnClient
+
+
+class OverlayStore:
+    def __init__(self, store: ObjectStore, txn: TxnClient) -> None:
+        self.store = store
+        self.txn = txn
+
+    @property
+    def state(self) -> ClusterState:
+        return self.txn.state
+
+    def __getattr__(self, name: str) -> Any:  # data and write calls pass straight through
+        return getattr(self.store, name)
+
+    def _tombstoned(self, key: str) -> bool:
+        with self.state.lock:
+            e = self.state.ns.get(key)
+        return e is not None and e["t"] == TOMB
+
+    def _tombs_under(self, prefix: str) -> bool:
+        with self.state.lock:
+            return any(e["t"] == TOMB for _, e in self.state.ns.under(prefix))
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        if self._tombstoned(key):
+            return None
+        return await self.store.head(key)
+
+    async def has_prefix(self, prefix: str) -> bool:
+        if not self._tombs_under(prefix):
+            return await self.store.has_prefix(prefix)
+        async for _ in self.list_recursive(prefix):
+            return True
+        return False
+
+    async def list_recursive(self, prefix: str, start_after: str = ""
+                             ) -> AsyncIterator[ObjectInfo]:
+        async for o in self.store.list_recursive(prefix, start_after):
+            if not self._tombstoned(o.key):
+                yield o
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[ListPage]:
+        async for page in self.store.list_dir(prefix):
+            objects = [o for o in page.objects if not self._tombstoned(o.key)]
+            prefixes = [p for p in page.prefixes
+                        if not self._tombs_under(p) or await self.has_prefix(p)]
+            yield ListPage(objects, prefixes)

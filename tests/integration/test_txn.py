@@ -1,0 +1,251 @@
+"""Namespace and dirty state through Raft transactions, across daemons as separate
+processes: one listing everywhere, close-to-open between nodes, atomic directory renames,
+a leader killed mid-storm, a node lost with its cache dir, drain to zero."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.mount import Mount, objcache
+
+WB = ("--writeback-delay", "3600")  # nothing uploads unless a test asks
+
+
+def _tree(root: Path) -> list[str]:
+    out = []
+    for d, dirs, files in os.walk(root):
+        rel = os.path.relpath(d, root)
+        out += [os.path.normpath(os.path.join(rel, n)) + "/" for n in dirs]
+        out += [os.path.normpath(os.path.join(rel, n)) for n in files]
+    return sorted(out)
+
+
+def _wait(cond, timeout: float = 20.0, what: str = "condition"):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _three(cluster, *extra: str) -> list[Mount]:  # type: ignore[no-untyped-def]
+    nodes = [cluster.add(*WB, *extra) for _ in range(3)]
+    cluster.wait_raft(nodes, 3)
+    return nodes
+
+
+def _objects(s3, bucket: str) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
+    out = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for o in page.get("Contents", []):
+            out[o["Key"]] = s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+    return out
+
+
+def test_creates_from_all_nodes_converge_and_close_to_open(cluster, s3, bucket):  # type: ignore
+    nodes = _three(cluster)
+    errors: list[BaseException] = []
+
+    def writer(i: int, m: Mount) -> None:
+        try:
+            os.makedirs(m.mnt / "shared", exist_ok=True)
+            for j in range(40):
+                (m.mnt / "shared" / f"n{i}-{j}").write_bytes(f"{i}:{j}".encode())
+                try:  # every node also races on the same names: exactly one wins each
+                    fd = os.open(m.mnt / "shared" / f"race-{j}",
+                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                    os.write(fd, str(i).encode())
+                    os.close(fd)
+                except FileExistsError:
+                    pass
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i, m)) for i, m in enumerate(nodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    listings = [_tree(m.mnt) for m in nodes]
+    assert listings[0] == listings[1] == listings[2]
+    assert len([n for n in listings[0] if n.startswith("shared/n")]) == 120
+    assert len([n for n in listings[0] if n.startswith("shared/race-")]) == 40
+    # Each race has one winner, and every node reads the winner's content.
+    for j in range(40):
+        got = {(m.mnt / "shared" / f"race-{j}").read_bytes() for m in nodes}
+        assert len(got) == 1 and got.pop() in (b"0", b"1", b"2")
+
+    # Close-to-open: after close() on A returns, B sees the new size and bytes at once.
+    a, b = nodes[0], nodes[1]
+    (b.mnt / "shared" / "n0-0").read_bytes()  # B has it cached
+    for k in range(20):
+        data = os.urandom(1000 + k * 50_000)
+        with open(a.mnt / "shared" / "n0-0", "wb") as f:
+            f.write(data)
+        with open(b.mnt / "shared" / "n0-0", "rb") as f:
+            assert os.fstat(f.fileno()).st_size == len(data)
+            assert f.read() == data
+    # Unlink and rename on A reach B's kernel as soon as B applies them (invalidation, not
+    # a timeout: the kernel would otherwise keep the names for --metadata-ttl, 30 s).
+    os.unlink(a.mnt / "shared" / "n1-1")
+    _wait(lambda: not (b.mnt / "shared" / "n1-1").exists(), 2, "unlink seen on B")
+    os.rename(a.mnt / "shared" / "n2-2", a.mnt / "shared" / "moved")
+    assert (b.mnt / "shared" / "moved").read_bytes() == b"2:2"  # a new name: at once
+    _wait(lambda: not (b.mnt / "shared" / "n2-2").exists(), 2, "rename seen on B")
+    # Nothing reached S3 yet (write-back delay of an hour): all of it lives in the cluster.
+    assert not any(k.startswith("shared/n") for k in _objects(s3, bucket))
+    for m in nodes:
+        assert m.errors_in_log() == []
+
+
+def test_directory_rename_is_atomic_everywhere(cluster, s3, bucket):  # type: ignore
+    for i in range(30):
+        s3.put_object(Bucket=bucket, Key=f"ds/s3file{i}", Body=f"old{i}".encode())
+    s3.put_object(Bucket=bucket, Key="ds/deep/x", Body=b"deep")
+    nodes = _three(cluster)
+    a, b, c = nodes
+    (a.mnt / "ds" / "new").write_bytes(b"new")
+    assert sorted(os.listdir(c.mnt / "ds"))[:2] == ["deep", "new"]
+    os.rename(a.mnt / "ds", a.mnt / "renamed")
+    for m in (b, c):
+        assert not (m.mnt / "ds").exists()
+        names = sorted(os.listdir(m.mnt / "renamed"))
+        assert len(names) == 32 and "new" in names and "deep" in names
+        assert (m.mnt / "renamed" / "s3file7").read_bytes() == b"old7"
+        assert (m.mnt / "renamed" / "deep" / "x").read_bytes() == b"deep"
+        assert (m.mnt / "renamed" / "new").read_bytes() == b"new"
+    # Write-back makes S3 match: copies first, then the old keys go.
+    out = objcache("flush", str(a.mnt))
+    assert out.returncode == 0, out.stderr
+    objs = _objects(s3, bucket)
+    assert not any(k.startswith("ds/") for k in objs), sorted(objs)
+    assert objs["renamed/s3file7"] == b"old7" and objs["renamed/new"] == b"new"
+    assert objs["renamed/deep/x"] == b"deep"
+
+
+def test_leader_killed_during_rename_storm(cluster):  # type: ignore[no-untyped-def]
+    nodes = _three(cluster)
+    for i, m in enumerate(nodes):
+        os.makedirs(m.mnt / f"d{i}")
+        for j in range(20):
+            (m.mnt / f"d{i}" / f"f{j}").write_bytes(f"{i}-{j}".encode())
+    leader_addr = nodes[0].status()["cluster"]["raft"]["leader"]
+    leader = next(m for m in nodes if m.status()["cluster"]["raft"]["self"] == leader_addr)
+    survivors = [m for m in nodes if m is not leader]
+    done: dict[int, int] = {}
+    errors: list[BaseException] = []
+
+    def storm(i: int, m: Mount) -> None:
+        n = 0
+        try:
+            for rnd in range(6):
+                for j in range(20):
+                    src = m.mnt / f"d{i}" / (f"f{j}" if rnd == 0 else f"f{j}.{rnd - 1}")
+                    os.rename(src, m.mnt / f"d{i}" / f"f{j}.{rnd}")
+                    n += 1
+        except BaseException as e:
+            errors.append(e)
+        done[i] = n
+
+    threads = [threading.Thread(target=storm, args=(nodes.index(m), m)) for m in survivors]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    leader.kill9()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    # The survivors finished every rename; the dead node restarts from its log and rejoins.
+    leader.start()
+    cluster.wait_raft(nodes, 3, timeout=60)
+    listings = [_tree(m.mnt) for m in nodes]
+    assert listings[0] == listings[1] == listings[2]
+    for m in survivors:
+        i = nodes.index(m)
+        assert sorted(os.listdir(nodes[0].mnt / f"d{i}")) == sorted(
+            f"f{j}.5" for j in range(20))
+        assert (nodes[0].mnt / f"d{i}" / "f3.5").read_bytes() == f"{i}-3".encode()
+    for m in survivors:
+        assert m.errors_in_log() == []
+
+
+def test_node_lost_with_its_cache_dir_loses_no_closed_file(cluster, s3, bucket):  # type: ignore
+    nodes = _three(cluster)
+    a, b, c = nodes
+    want = {}
+    for j in range(30):
+        data = os.urandom(1000 + j * 30_000)
+        (a.mnt / f"f{j}").write_bytes(data)
+        want[f"f{j}"] = hashlib.sha256(data).hexdigest()
+    a.kill9()
+    shutil.rmtree(a.cache)
+    # The survivors still read every file, then upload all of it.
+    for j in (0, 17, 29):
+        assert hashlib.sha256((b.mnt / f"f{j}").read_bytes()).hexdigest() == want[f"f{j}"]
+    out = objcache("flush", str(b.mnt), timeout=300)
+    assert out.returncode == 0, out.stderr
+    objs = _objects(s3, bucket)
+    assert {k: hashlib.sha256(v).hexdigest() for k, v in objs.items()} == want
+
+
+def test_drain_to_zero_then_a_fresh_node_sees_everything(cluster, s3, bucket, mounts,
+                                                        seaweed, tmp_path):  # type: ignore
+    nodes = _three(cluster)
+    want: dict[str, bytes] = {}
+    for i, m in enumerate(nodes):
+        os.makedirs(m.mnt / f"dir{i}" / "sub", exist_ok=True)
+        for j in range(25):
+            data = os.urandom(100 + 7919 * j)
+            (m.mnt / f"dir{i}" / "sub" / f"f{j}").write_bytes(data)
+            want[f"dir{i}/sub/f{j}"] = data
+    os.makedirs(nodes[0].mnt / "empty")
+    os.symlink("dir0/sub/f1", nodes[1].mnt / "link")
+    for m in nodes:
+        t0 = time.monotonic()
+        out = objcache("drain", str(m.mnt), timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert "drained" in out.stdout
+        assert m.wait_exit(60) == 0
+        print(f"drain of {m.mnt.name}: {time.monotonic() - t0:.2f}s")
+    objs = _objects(s3, bucket)
+    assert {k: v for k, v in objs.items() if k.startswith("dir")} == want
+    assert "empty/" in objs and objs["link"] == b"dir0/sub/f1"
+    fresh = Mount(seaweed.endpoint, bucket, tmp_path / "fresh", tmp_path / "fresh-cache")
+    mounts.append(fresh)
+    fresh.start()
+    assert sorted(os.listdir(fresh.mnt)) == ["dir0", "dir1", "dir2", "empty", "link"]
+    assert (fresh.mnt / "dir2" / "sub" / "f24").read_bytes() == want["dir2/sub/f24"]
+    assert os.readlink(fresh.mnt / "link") == "dir0/sub/f1"
+
+
+def test_quorum_loss_fails_with_eio_in_bounded_time(cluster):  # type: ignore[no-untyped-def]
+    nodes = [cluster.add(*WB, "--txn-timeout", "4") for _ in range(5)]
+    cluster.wait_raft(nodes, 5, timeout=60)
+    (nodes[0].mnt / "before").write_bytes(b"x")
+    for m in nodes[2:]:
+        m.kill9()
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as e:
+        os.mkdir(nodes[0].mnt / "during")
+    assert e.value.errno == errno.EIO
+    assert time.monotonic() - t0 < 15
+    # Reads still work from what the survivors have.
+    assert (nodes[1].mnt / "before").read_bytes() == b"x"
+    # The dead come back from their logs: the cluster commits again.
+    for m in nodes[2:]:
+        m.start()
+    cluster.wait_raft(nodes, 5, timeout=90)
+    os.mkdir(nodes[0].mnt / "after")
+    assert _wait(lambda: all((m.mnt / "after").is_dir() for m in nodes), what="mkdir")
