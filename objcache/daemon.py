@@ -255,10 +255,8 @@ class Daemon:
                       "hit_ratio": self._hit_ratio()},
             "dirty": {"files": dirty_files, "bytes": dirty_bytes,
                       "oldest_age_seconds": oldest_age},
-            "writeback": {"uploaded_files": self.flusher.uploaded if self.flusher
-                          else self.writeback.uploaded_files,
-                          "failed_uploads": self.flusher.failed if self.flusher
-                          else self.writeback.failed_uploads},
+            "writeback": dict(zip(("uploaded_files", "failed_uploads"),
+                                  self.upload_counts(), strict=True)),
             "s3": self.store.stats.as_dict(),
             "cluster": self.cluster.status() if self.cluster else None,
         }
@@ -267,6 +265,12 @@ class Daemon:
         if self.flusher is not None:
             return self.flusher.dirty_summary()
         return self.local.dirty_summary()
+
+    def upload_counts(self) -> tuple[int, int]:
+        """(entries written back, write-backs that failed) by this node."""
+        if self.flusher is not None:
+            return self.flusher.uploaded, self.flusher.failed
+        return self.writeback.uploaded_files, self.writeback.failed_uploads
 
     def node_stats(self) -> dict[str, Any]:
         """This node's row of the cluster-wide status (also served to peers)."""

@@ -103,15 +103,15 @@ class DaemonCollector:
                                       labels=["direction"]),
                   {"down": s3.bytes_in, "up": s3.bytes_out})
 
-        dirty_files, dirty_bytes, oldest_age = d.local.dirty_summary()
+        dirty_files, dirty_bytes, oldest_age = d.dirty_summary()
         yield _gauge("objcache_dirty_files", "Files written and not yet in S3", dirty_files)
         yield _gauge("objcache_dirty_bytes", "Bytes of files not yet in S3", dirty_bytes)
         yield _gauge("objcache_flush_lag_seconds", "Age of the oldest change not yet in S3",
                      oldest_age or 0.0)
-        yield _counter("objcache_uploads", "Files uploaded by write-back",
-                       d.writeback.uploaded_files)
+        uploaded, failed_uploads = d.upload_counts()
+        yield _counter("objcache_uploads", "Files uploaded by write-back", uploaded)
         yield _counter("objcache_upload_failures", "Write-back uploads that failed (retried)",
-                       d.writeback.failed_uploads)
+                       failed_uploads)
 
         done, failed, fetched = d.prefetch_stats
         yield _by(CounterMetricFamily("objcache_prefetch_files", "Files prefetched through "
