@@ -14,7 +14,7 @@ import logging
 import os
 import stat as stat_mod
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from objcache.cache.chunks import ChunkCache
 
 log = logging.getLogger(__name__)
+
+FILL_PIECE = 8 << 20
 
 
 def _pack(chunks: set[int]) -> bytes:
@@ -258,6 +260,16 @@ class LocalFiles:
         lf.size = size
         lf.mtime_ns = time.time_ns()
         self.mark_dirty(lf)
+        self._save(lf)
+
+    async def fill(self, lf: LocalFile, size: int,
+                   piece: Callable[[int, int], Awaitable[bytes]]) -> None:
+        """Give an empty local file `size` bytes of content, read piece by piece."""
+        self._charge(lf, size)
+        fd = self._fd(lf)
+        for off in range(0, size, FILL_PIECE):
+            os.pwrite(fd, await piece(off, min(FILL_PIECE, size - off)), off)
+        lf.size = size
         self._save(lf)
 
     async def read(self, lf: LocalFile, offset: int, length: int) -> bytes:

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from objcache.cache.localfiles import LocalFile
-from objcache.core.filesystem import FileHandle, Filesystem
+from objcache.core.filesystem import RENAME_NOREPLACE, FileHandle, Filesystem
 from objcache.core.inode import (
+    CTRL_INO,
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
     SYMLINK_MODE,
@@ -34,7 +35,6 @@ from objcache.core.inode import (
     parse_meta,
 )
 from objcache.errors import (
-    Exists,
     Invalid,
     IsADirectory,
     NotADirectory,
@@ -56,8 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RENAME_NOREPLACE = 1
-_FILL_PIECE = 8 << 20
 
 
 class KernelNotifier(Protocol):
@@ -257,14 +255,12 @@ class ClusterFilesystem(Filesystem):
         lf = self.local.create(inode.key, e["mode"], e["uid"], e["gid"], e["mtime"])
         size = 0 if empty else e["size"]
         if e.get("cid") and size:
-            fd = self.local._fd(lf)
-            for off in range(0, size, _FILL_PIECE):
-                data = await self.txn.read_blob(e["cid"], e["holders"], off,
-                                                min(_FILL_PIECE, size - off))
-                os.pwrite(fd, data, off)
-            self.local._charge(lf, size)
-            lf.size = size
-            self.local.save(lf)
+            cid, holders = e["cid"], e["holders"]
+
+            async def piece(off: int, n: int) -> bytes:
+                return await self.txn.read_blob(cid, holders, off, n)
+
+            await self.local.fill(lf, size, piece)
         return lf
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
@@ -289,13 +285,7 @@ class ClusterFilesystem(Filesystem):
             n = min(n, base[2] - offset)
             if n <= 0:
                 return b""
-            if offset == h.next_offset or offset == 0:
-                cs = self.chunks.chunk_size
-                self.chunks.readahead(base[0], base[1], base[2], offset // cs + 1,
-                                      self.readahead_chunks)
-            data = await self.chunks.read(base[0], base[1], base[2], offset, n)
-            h.next_offset = offset + len(data)
-            return data
+            return await self._read_object(h, base[0], base[1], base[2], offset, n)
         return b""
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
@@ -394,11 +384,7 @@ class ClusterFilesystem(Filesystem):
 
     async def mkdir(self, parent_ino: int, name: bytes | str, mode: int, uid: int,
                     gid: int) -> Attr:
-        self._writable()
-        parent = self._dir(parent_ino)
-        name = self._name(name)
-        await self._must_not_exist(parent, name)
-        key = self._key(parent, name)
+        parent, name, key = await self._free_name(parent_ino, name)
         e = self._now_entry(stat.S_IFDIR | (mode & 0o7777), uid, gid)
         res = await self.txn.submit({"op": "ns.create", "key": key + "/", "e": e})
         e.update(t=DIR, ver=res.get("ver", 0))
@@ -411,11 +397,7 @@ class ClusterFilesystem(Filesystem):
 
     async def symlink(self, parent_ino: int, name: bytes | str, target: bytes, uid: int,
                       gid: int) -> Attr:
-        self._writable()
-        parent = self._dir(parent_ino)
-        name = self._name(name)
-        await self._must_not_exist(parent, name)
-        key = self._key(parent, name)
+        parent, name, key = await self._free_name(parent_ino, name)
         e = self._now_entry(SYMLINK_MODE, uid, gid, size=len(target), cid=None, holders=[],
                             base=None, target=bytes(target))
         res = await self.txn.submit({"op": "ns.create", "key": key, "e": e})
@@ -472,30 +454,10 @@ class ClusterFilesystem(Filesystem):
 
     async def rename(self, old_parent: int, old_name: bytes | str, new_parent: int,
                      new_name: bytes | str, flags: int = 0) -> None:
-        self._writable()
-        if flags & ~RENAME_NOREPLACE:
-            raise Invalid("RENAME_EXCHANGE is not supported")
-        op, np = self._dir(old_parent), self._dir(new_parent)
-        old_name, new_name = self._name(old_name), self._name(new_name)
-        src = await self._resolve(op, old_name)
-        new_key = self._key(np, new_name)
-        if new_key == src.key:
+        plan = await self._rename_plan(old_parent, old_name, new_parent, new_name, flags)
+        if plan is None:
             return
-        try:
-            dst: Inode | None = await self._resolve(np, new_name)
-        except NotFound:
-            dst = None
-        if dst is not None:
-            if flags & RENAME_NOREPLACE:
-                raise Exists(new_name)
-            if src.is_dir and not dst.is_dir:
-                raise NotADirectory(dst.key)
-            if not src.is_dir and dst.is_dir:
-                raise IsADirectory(dst.key)
-            if dst.is_dir and await self._list(dst, force=True):
-                raise NotEmpty(dst.key)
-        if src.is_dir and (new_key + "/").startswith(src.key + "/"):
-            raise Invalid("cannot move a directory into itself")
+        op, np, old_name, src, new_name, dst, new_key = plan
         old_key = src.key
         lf = self.local.by_key.get(old_key)
         if lf is not None and lf.dirty:
@@ -542,10 +504,10 @@ class ClusterFilesystem(Filesystem):
             # defaults until write-back), see _heads below for what we know better.
             mode = DEFAULT_DIR_MODE if o.key.endswith("/") else DEFAULT_FILE_MODE
             out.append([o.key, o.etag, o.size, mode, self.uid, self.gid, o.mtime_ns])
-        await self._heads(out)
+        self._known_attrs(out)
         return out
 
-    async def _heads(self, objects: list[list[Any]]) -> None:
+    def _known_attrs(self, objects: list[list[Any]]) -> None:
         """Fill in real attributes for objects whose inodes we have loaded metadata for."""
         for o in objects:
             ino = self.by_key.get(o[0].rstrip("/"))
@@ -556,7 +518,6 @@ class ClusterFilesystem(Filesystem):
     async def setattr(self, ino: int, size: int | None = None, mode: int | None = None,
                       uid: int | None = None, gid: int | None = None,
                       mtime_ns: int | None = None, fh: int | None = None) -> Attr:
-        from objcache.core.inode import CTRL_INO
         if ino == CTRL_INO:
             return self.ctrl_attr()
         self._writable()

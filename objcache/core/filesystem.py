@@ -450,11 +450,7 @@ class Filesystem:
 
     async def mkdir(self, parent_ino: int, name: bytes | str, mode: int, uid: int,
                     gid: int) -> Attr:
-        self._writable()
-        parent = self._dir(parent_ino)
-        name = self._name(name)
-        await self._must_not_exist(parent, name)
-        key = self._key(parent, name)
+        parent, name, key = await self._free_name(parent_ino, name)
         now = time.time_ns()
         mode = stat.S_IFDIR | (mode & 0o7777)
         await self.store.put_bytes(key + "/", b"", make_meta(mode, uid, gid, now))
@@ -471,6 +467,14 @@ class Filesystem:
         if parent.children is not None:
             parent.children[name] = inode.ino
         parent.mtime_ns = time.time_ns()
+
+    async def _free_name(self, parent_ino: int, name: bytes | str) -> tuple[Inode, str, str]:
+        """(parent, name, key) for a new entry; EEXIST if the name is taken."""
+        self._writable()
+        parent = self._dir(parent_ino)
+        name = self._name(name)
+        await self._must_not_exist(parent, name)
+        return parent, name, self._key(parent, name)
 
     async def _must_not_exist(self, parent: Inode, name: str) -> None:
         try:
@@ -570,13 +574,18 @@ class Filesystem:
             return await self.local.read(lf, offset, size)
         if h.etag is None or offset >= h.size:
             return b""
+        return await self._read_object(h, h.inode.key, h.etag, h.size, offset, size)
+
+    async def _read_object(self, h: FileHandle, key: str, etag: str, obj_size: int,
+                           offset: int, size: int) -> bytes:
+        """Read an S3 object version through the chunk cache, with readahead."""
         if offset == h.next_offset or offset == 0:
             # Sequential: start the next chunks before waiting for this one, so a cold
             # reader has the whole readahead window in flight from its first read.
             cs = self.chunks.chunk_size
-            self.chunks.readahead(h.inode.key, h.etag, h.size, offset // cs + 1,
-                                 self.readahead_chunks)
-        data = await self.chunks.read(h.inode.key, h.etag, h.size, offset, size)
+            self.chunks.readahead(key, etag, obj_size, offset // cs + 1,
+                                  self.readahead_chunks)
+        data = await self.chunks.read(key, etag, obj_size, offset, size)
         h.next_offset = offset + len(data)
         return data
 
@@ -685,11 +694,7 @@ class Filesystem:
 
     async def symlink(self, parent_ino: int, name: bytes | str, target: bytes, uid: int,
                       gid: int) -> Attr:
-        self._writable()
-        parent = self._dir(parent_ino)
-        name = self._name(name)
-        await self._must_not_exist(parent, name)
-        key = self._key(parent, name)
+        parent, name, key = await self._free_name(parent_ino, name)
         now = time.time_ns()
         etag = await self.store.put_bytes(key, target, make_meta(SYMLINK_MODE, uid, gid, now))
         inode = self._new_inode(key, SYMLINK_MODE)
@@ -710,8 +715,11 @@ class Filesystem:
 
     # -- rename ---------------------------------------------------------------------------
 
-    async def rename(self, old_parent: int, old_name: bytes | str, new_parent: int,
-                     new_name: bytes | str, flags: int = 0) -> None:
+    async def _rename_plan(self, old_parent: int, old_name: bytes | str, new_parent: int,
+                           new_name: bytes | str, flags: int
+                           ) -> tuple[Inode, Inode, str, Inode, str, Inode | None, str] | None:
+        """The POSIX checks of a rename: (old parent, new parent, old name, source, new
+        name, destination or None, new key), or None when it renames a file to itself."""
         self._writable()
         if flags & RENAME_EXCHANGE:
             raise Invalid("RENAME_EXCHANGE is not supported")
@@ -720,7 +728,7 @@ class Filesystem:
         src = await self._resolve(op, old_name)
         new_key = self._key(np, new_name)
         if new_key == src.key:
-            return
+            return None
         try:
             dst: Inode | None = await self._resolve(np, new_name)
         except NotFound:
@@ -736,6 +744,14 @@ class Filesystem:
                 raise NotEmpty(dst.key)
         if src.is_dir and (new_key + "/").startswith(src.key + "/"):
             raise Invalid("cannot move a directory into itself")
+        return op, np, old_name, src, new_name, dst, new_key
+
+    async def rename(self, old_parent: int, old_name: bytes | str, new_parent: int,
+                     new_name: bytes | str, flags: int = 0) -> None:
+        plan = await self._rename_plan(old_parent, old_name, new_parent, new_name, flags)
+        if plan is None:
+            return
+        op, np, old_name, src, new_name, dst, new_key = plan
         if dst is not None:
             if dst.is_dir:
                 await self.store.delete(dst.key + "/")

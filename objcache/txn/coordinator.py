@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from objcache.cluster.membership import ALIVE
 from objcache.errors import (
     Exists,
     IsADirectory,
@@ -48,7 +47,7 @@ log = logging.getLogger(__name__)
 BARRIER_TIMEOUT = 3.0
 DEGRADED_FOR = 5.0  # after a failed barrier, serve from what we have applied this long
 _ERRORS: dict[str, type[ObjcacheError]] = {
-    "exists": Exists, "notfound": NotFound, "gone": NotFound, "notempty": NotEmpty,
+    "exists": Exists, "notfound": NotFound, "notempty": NotEmpty,
     "isdir": IsADirectory, "notdir": NotADirectory}
 _EMPTY = ClusterState()
 
@@ -77,8 +76,6 @@ class TxnClient:
         self._round_running = False
         self._round_done = trio.Event()
         self._degraded_until = 0.0
-        self.commits = 0
-        self.barriers = 0
         self.ready = False  # set once a first barrier passed (we have caught up)
         node.txn = self
 
@@ -121,13 +118,10 @@ class TxnClient:
             except NoQuorum as e:
                 last = e
                 await trio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-        self.commits += 1
         if isinstance(result, dict) and "error" in result:
-            err = _ERRORS.get(str(result["error"]))
+            err = Gone if result["error"] == "gone" else _ERRORS.get(str(result["error"]))
             if err is None:
                 raise ObjcacheError(f"{cmd['op']} refused: {result['error']}")
-            if result["error"] == "gone":
-                raise Gone(str(cmd.get("key")))
             raise err(str(cmd.get("key") or cmd.get("src")))
         return result if isinstance(result, dict) else {}
 
@@ -148,7 +142,6 @@ class TxnClient:
                 if raft is None:
                     raise NoQuorum("raft is not running yet")
                 await raft.submit({"op": "ns.noop"}, timeout=BARRIER_TIMEOUT)
-                self.barriers += 1
             except NoQuorum as e:
                 log.warning("no quorum for a read barrier (%s); serving from what this node "
                             "has applied for %.0fs", e, DEGRADED_FOR)
@@ -245,6 +238,3 @@ class TxnClient:
             await self.pull(cid, size, [src])
             return {"ok": True}, None
         raise ProtocolError(f"unknown request {op!r:.50} from {peer}")
-
-    def live_members(self) -> list[str]:
-        return [m.id for m in self.node.membership.members.values() if m.state == ALIVE]

@@ -61,10 +61,6 @@ class DirtyStore:
     def has(self, cid: str) -> bool:
         return cid in self.sizes
 
-    @property
-    def bytes(self) -> int:
-        return sum(self.sizes.values())
-
     def seal(self, cid: str, working_copy: str, size: int) -> None:
         """Make the working copy's current content blob `cid` (a hard link: no copy)."""
         os.link(working_copy, self.path(cid))

@@ -76,6 +76,7 @@ class Namespace:
     def __init__(self) -> None:
         self.entries: dict[str, dict[str, Any]] = {}
         self._keys: list[str] = []  # sorted, for prefix queries
+        self._bases: dict[str, int] = {}  # S3 key -> entries reading it as their base
         self.changes: list[tuple[str, dict[str, Any] | None, Any]] = []
 
     # -- reading (callers hold the state lock) -----------------------------------------------
@@ -96,8 +97,18 @@ class Namespace:
 
     def referenced(self, key: str) -> bool:
         """Does an entry other than `key`'s own still read the S3 object `key` as its base?"""
-        return any(e["t"] == FILE and e.get("base") and e["base"][0] == key and k != key
-                   for k, e in self.entries.items())
+        own = self.entries.get(key)
+        mine = 1 if own is not None and own.get("base") and own["base"][0] == key else 0
+        return self._bases.get(key, 0) > mine
+
+    def _count_base(self, e: dict[str, Any] | None, delta: int) -> None:
+        b = e.get("base") if e is not None else None
+        if b:
+            n = self._bases.get(b[0], 0) + delta
+            if n:
+                self._bases[b[0]] = n
+            else:
+                self._bases.pop(b[0], None)
 
     def cids(self) -> set[str]:
         return {e["cid"] for e in self.entries.values() if e.get("cid")}
@@ -107,6 +118,8 @@ class Namespace:
     def _set(self, key: str, entry: dict[str, Any], ver: int, extra: Any = None) -> None:
         if key not in self.entries:
             bisect.insort(self._keys, key)
+        self._count_base(self.entries.get(key), -1)
+        self._count_base(entry, +1)
         entry["ver"] = ver
         self.entries[key] = entry
         self.changes.append((key, entry, extra))
@@ -115,6 +128,7 @@ class Namespace:
         e = self.entries.pop(key, None)
         if e is not None:
             del self._keys[bisect.bisect_left(self._keys, key)]
+            self._count_base(e, -1)
             self.changes.append((key, None, extra))
         return e
 
