@@ -277,13 +277,22 @@ class ClusterNode:
             await self.raft.remove_member(addr, timeout=10)
 
     async def leave(self) -> None:
+        """Leave the ring and the Raft group. Returns once the group no longer counts us
+        (bounded), so that the next node to leave still finds a quorum."""
+        others = [m.addr for m in self.membership.members.values()
+                  if m.state == ALIVE and m.id != self.node_id]
         if self.raft is not None:
             me = self.membership.me
-            with trio.move_on_after(5):
+            with trio.move_on_after(12):
                 try:
                     await self.raft.submit({"op": "member", "node": me.id, "remove": True,
                                             "tx": f"leave/{me.id}/{me.incarnation}"},
                                            timeout=4)
+                    if self.raft.status().get("role") == "leader":
+                        # pysyncobj refuses a leader's removal of itself, and waiting for a
+                        # successor fails in a group of two (one member cannot elect
+                        # itself): hand leadership over, then be removed as a follower.
+                        await self.raft.step_down()
                     if self.raft.status().get("role") != "leader":
                         for m in list(self.membership.members.values()):
                             if m.state == ALIVE and await self._call(
@@ -293,9 +302,31 @@ class ClusterNode:
                 except NoQuorum as e:
                     log.warning("could not leave the Raft group cleanly: %s", e)
         await self.membership.leave()
-        await self.pool.aclose()
         if self.raft is not None:
+            # Confirm the group no longer counts us (if the removal could not commit above,
+            # a successor removes us after we stop: the supervisor's _remove_departed), or
+            # the next node to leave would take the group below a quorum of the rest.
             self.raft.destroy()
+            if others:
+                await self._wait_removed(others)
+        await self.pool.aclose()
+
+    async def _wait_removed(self, addrs: list[str], timeout: float = 20.0) -> None:
+        with trio.move_on_after(timeout):
+            while True:
+                for addr in addrs:
+                    try:
+                        reply, _ = await self.pool.request(addr, {"op": "raft_members"},
+                                                           timeout=2.0)
+                    except PeerError:
+                        continue
+                    members = reply.get("members")
+                    if isinstance(members, list) and members and \
+                            self.raft_addr not in members:
+                        log.info("raft: the group removed us")
+                        return
+                await trio.sleep(0.3)
+        log.warning("raft: the group still counted us %.0fs after we left", timeout)
 
     def raft_status(self) -> dict[str, Any] | None:
         if self.raft is None:

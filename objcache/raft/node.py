@@ -183,6 +183,21 @@ class RaftNode:
                          lambda cb: self._replica.removeNodeFromCluster(addr, callback=cb),
                          timeout)
 
+    async def step_down(self, timeout: float = 5.0) -> bool:
+        """Hand leadership to the most caught-up follower (Raft TimeoutNow); whether we
+        are no longer the leader within `timeout`. pysyncobj refuses a leader's removal
+        of itself, so a leaving leader steps down first."""
+        try:
+            await self._call("leadership transfer",
+                             lambda cb: self._replica.transferLeadership(callback=cb), 2.0)
+        except NoQuorum:
+            return False
+        with trio.move_on_after(timeout):
+            while self.status()["role"] == "leader":
+                await trio.sleep(0.05)
+            return True
+        return False
+
     def status(self) -> dict[str, Any]:
         st = self._replica.getStatus()
         leader = st.get("leader")
