@@ -55,6 +55,9 @@ def make_conf(data_dir: Path, secret: str) -> SyncObjConf:
         connectionTimeout=3.5,
         logCompactionMinEntries=200_000,
         logCompactionMinTime=600,
+        # one command up to this size travels as one message; bigger ones would take
+        # pysyncobj's chunked path, which _Replica._follow does not cover
+        appendEntriesBatchSizeBytes=16 << 20,
     )
 
 
@@ -62,46 +65,81 @@ class _Replica(SyncObj):  # type: ignore[misc]
     def __init__(self, self_addr: str, partners: list[str], conf: SyncObjConf) -> None:
         self.state = ClusterState()
         self.on_changes: Any = None  # (changes, command) -> None; set before __init__: not dumped
+        self._ack_limit: int | None = None  # see _follow
         super().__init__(self_addr, partners, conf=conf)
         # pysyncobj dumps (log compaction, a snapshot sent to a new follower) only hold
         # attributes set after its __init__: the state must be one of them.
         self._SyncObj__properies.discard("state")
 
-    # pysyncobj 0.3.17 drops every entry after prevLogIdx whenever a follower holds more
-    # than an append_entries message covers, even entries it already applied. With
-    # pipelined appends that is most messages, and it is where its journal was seen to
-    # break under load ("truncating already-applied log entries", then IndexError loops).
-    # Raft (section 5.3) only deletes entries that conflict. This wrapper removes from each
-    # message the leading entries we already hold (same index and term), and when all of
-    # them are known and the rest of our log is from the sender's own term (a leader never
-    # rewrites its own term's entries), it acknowledges our whole log instead of dropping
-    # its tail. Everything else goes to pysyncobj unchanged.
+    # pysyncobj 0.3.17's follower departs from Raft (section 5.3) in two ways that the
+    # stress test (leader kill -9 under load) hits:
+    # 1. It deletes every entry after prevLogIdx whenever it holds more than an
+    #    append_entries message covers, even entries it already applied ("truncating
+    #    already-applied log entries"). With pipelined appends and resends after a leader
+    #    change that is most messages. Raft deletes only entries that conflict.
+    # 2. Rejecting a message whose prevLogIdx is beyond its log, it asks for "my last index
+    #    + 1" even when that tail is another term's and conflicts; rejecting a mismatch it
+    #    asks for prevLogIdx. The leader pipelines several messages per tick, so the two
+    #    answers alternate forever and a restarted old leader never catches up (seen as
+    #    clients stalled for minutes).
+    # So each message first loses the leading entries we already hold (same index and
+    # term); if nothing new is left, our log is left alone, and we acknowledge only what is
+    # verified (the message's end, or our whole log when its tail is the sender's own term:
+    # a leader never rewrites its own term), with the commit index capped to that point so
+    # an unverified tail is never applied. A rejection asks for our commit index + 1 when our
+    # tail is not the leader's term: committed entries never conflict, and resent entries
+    # are trimmed. Snapshot and chunked ("transmission") messages go to pysyncobj unchanged;
+    # appendEntriesBatchSizeBytes keeps commands out of the chunked path.
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> Any:
+        self._ack_limit = None
         if (isinstance(message, dict) and message.get("type") == "append_entries"
-                and "prevLogIdx" in message and message.get("transmission") is None
-                and message.get("entries")):
-            message = self._trim_known(message)
-        return SyncObj._SyncObj__onMessageReceived(self, node, message)
+                and "prevLogIdx" in message and message.get("transmission") is None):
+            message = self._follow(message)
+        try:
+            return SyncObj._SyncObj__onMessageReceived(self, node, message)
+        finally:
+            self._ack_limit = None
 
-    def _trim_known(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _follow(self, message: dict[str, Any]) -> dict[str, Any]:
         get = self._SyncObj__getEntries
-        entries = message["entries"]
+        prev = get(message["prevLogIdx"], 1)
+        if not prev or prev[0][2] != message["prevLogTerm"]:
+            return message  # rejected by pysyncobj; the answer is fixed in __sendNextNodeIdx
+        entries = message.get("entries") or []
         known = 0
         for _, idx, term in entries:
             mine = get(idx, 1)
             if not mine or mine[0][2] != term:
                 break
             known += 1
-        if known == 0:
-            return message
-        _, last_idx, last_term = entries[known - 1]
         if known < len(entries):
+            if known == 0:
+                return message
+            _, last_idx, last_term = entries[known - 1]
             return dict(message, entries=entries[known:], prevLogIdx=last_idx,
                         prevLogTerm=last_term)
-        beyond = get(last_idx + 1)
-        if beyond and all(e[2] == message["term"] for e in beyond):
-            last_idx, last_term = beyond[-1][1], beyond[-1][2]
-        return dict(message, entries=[], prevLogIdx=last_idx, prevLogTerm=last_term)
+        verified = entries[-1][1] if entries else message["prevLogIdx"]
+        _, my_last, my_term = self._SyncObj__raftLog[-1]
+        if my_last == verified or my_term == message["term"]:
+            return dict(message, entries=[], prevLogIdx=my_last, prevLogTerm=my_term)
+        # Our tail is another term's: keep it (it may be committed), but neither
+        # acknowledge nor commit past what this message verified.
+        self._ack_limit = verified + 1
+        return dict(message, entries=[], prevLogIdx=my_last, prevLogTerm=my_term,
+                    commit_index=min(message["commit_index"], verified))
+
+    def _SyncObj__sendNextNodeIdx(self, node: Any, reset: bool = False,
+                                  nextNodeIdx: int | None = None,
+                                  success: bool = False) -> Any:
+        if success and self._ack_limit is not None:
+            nextNodeIdx = self._ack_limit
+        elif reset and not success:
+            _, my_last, my_term = self._SyncObj__raftLog[-1]
+            if my_term != self._SyncObj__raftCurrentTerm:
+                asked = my_last + 1 if nextNodeIdx is None else nextNodeIdx
+                nextNodeIdx = min(asked, self._SyncObj__raftCommitIndex + 1)
+        return SyncObj._SyncObj__sendNextNodeIdx(self, node, reset=reset,
+                                                 nextNodeIdx=nextNodeIdx, success=success)
 
     @replicated  # type: ignore[misc]
     def _apply(self, blob: bytes) -> Any:

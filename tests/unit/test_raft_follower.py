@@ -1,0 +1,117 @@
+"""The follower side of append_entries as objcache runs it on top of pysyncobj 0.3.17
+(objcache/raft/node.py, `_Replica._follow`): Raft section 5.3 rules that pysyncobj alone
+breaks. A replica that never ticks is fed messages directly; its replies are recorded."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from objcache.raft.node import _Replica, make_conf
+from tests.helpers.cluster import free_port
+
+CMD = b"\x00cmd"  # a regular command (type byte 0); never applied here
+
+
+class Follower:
+    def __init__(self, tmp: Path) -> None:
+        conf = make_conf(tmp, "secret")
+        conf.autoTick, conf.journalFile, conf.fullDumpFile = False, None, None
+        self.replica = _Replica(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"],
+                                conf)
+        self.leader = next(iter(self.replica._SyncObj__otherNodes))
+        self.sent: list[dict[str, Any]] = []
+        self.replica._SyncObj__transport.send = lambda node, msg: self.sent.append(msg)
+
+    def load(self, terms: list[int], commit: int, term: int) -> None:
+        """Our log becomes index 1 (pysyncobj's initial entry) then one entry per term."""
+        r = self.replica
+        for i, t in enumerate(terms, start=2):
+            r._SyncObj__raftLog.add(CMD, i, t)
+        r._SyncObj__raftCommitIndex = r._SyncObj__raftLastApplied = commit
+        r._SyncObj__raftCurrentTerm = term
+
+    def append(self, term: int, prev: tuple[int, int], entries: list[tuple[int, int]],
+               commit: int) -> dict[str, Any]:
+        self.sent.clear()
+        self.replica._SyncObj__onMessageReceived(self.leader, {
+            "type": "append_entries", "term": term, "commit_index": commit,
+            "entries": [(CMD, i, t) for i, t in entries],
+            "prevLogIdx": prev[0], "prevLogTerm": prev[1]})
+        assert len(self.sent) == 1
+        return self.sent[0]
+
+    def log(self) -> list[tuple[int, int]]:
+        return [(e[1], e[2]) for e in self.replica._SyncObj__raftLog][1:]
+
+    @property
+    def commit(self) -> int:
+        return int(self.replica._SyncObj__raftCommitIndex)
+
+
+@pytest.fixture
+def follower(tmp_path: Path) -> Iterator[Follower]:
+    f = Follower(tmp_path)
+    yield f
+    f.replica.destroy()
+
+
+def test_resent_prefix_keeps_applied_tail(follower: Follower,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    follower.load([1] * 9, commit=10, term=1)  # indexes 2..10, all applied
+    with caplog.at_level(logging.CRITICAL):
+        reply = follower.append(2, (3, 1), [(4, 1), (5, 1), (6, 1)], commit=10)
+    assert follower.log() == [(i, 1) for i in range(2, 11)]
+    assert reply == {"type": "next_node_idx", "next_node_idx": 7, "reset": False,
+                     "success": True}
+    assert follower.commit == 10
+    assert not [r for r in caplog.records if r.levelno >= logging.CRITICAL]
+
+
+def test_unverified_tail_is_neither_acknowledged_nor_committed(follower: Follower) -> None:
+    follower.load([1] * 4, commit=1, term=1)  # 2..5 of term 1, none known committed
+    reply = follower.append(2, (3, 1), [], commit=50)  # a heartbeat of the term-2 leader
+    assert reply["success"] and reply["next_node_idx"] == 4
+    assert follower.commit == 3  # 4 and 5 may conflict with the leader's log
+    assert follower.log() == [(i, 1) for i in range(2, 6)]
+
+
+def test_leaders_own_term_tail_is_acknowledged(follower: Follower) -> None:
+    follower.load([1, 2, 2, 2], commit=1, term=2)
+    reply = follower.append(2, (2, 1), [(3, 2)], commit=50)
+    assert reply["success"] and reply["next_node_idx"] == 6
+    assert follower.commit == 5
+
+
+def test_conflicting_entries_are_replaced(follower: Follower) -> None:
+    follower.load([1] * 4, commit=1, term=1)
+    reply = follower.append(2, (2, 1), [(3, 1), (4, 2)], commit=4)
+    assert follower.log() == [(2, 1), (3, 1), (4, 2)]
+    assert reply["success"] and reply["next_node_idx"] == 5
+    assert follower.commit == 4
+
+
+def test_rejection_asks_from_the_commit_index_when_tail_is_another_term(
+        follower: Follower) -> None:
+    # An old leader restarted from its journal: a long tail of its own term past the
+    # commit index. pysyncobj alone answers "beyond my log" with its last index + 1 and a
+    # mismatch with prevLogIdx, alternately, and never catches up.
+    follower.load([1] * 9, commit=4, term=1)
+    beyond = follower.append(3, (20, 3), [(21, 3)], commit=30)
+    mismatch = follower.append(3, (8, 2), [(9, 3)], commit=30)
+    assert beyond["reset"] and not beyond["success"] and beyond["next_node_idx"] == 5
+    assert mismatch["reset"] and mismatch["next_node_idx"] == 5
+    # resent from there: known entries are trimmed, the conflict replaced, nothing lost
+    ok = follower.append(3, (4, 1), [(5, 1), (6, 1), (7, 2), (8, 3)], commit=8)
+    assert ok["success"] and ok["next_node_idx"] == 9
+    assert follower.log() == [(2, 1), (3, 1), (4, 1), (5, 1), (6, 1), (7, 2), (8, 3)]
+
+
+def test_rejection_in_leaders_term_asks_for_the_next_entry(follower: Follower) -> None:
+    follower.load([1, 3, 3], commit=2, term=3)
+    reply = follower.append(3, (20, 3), [(21, 3)], commit=30)
+    assert reply["reset"] and reply["next_node_idx"] == 5
