@@ -9,11 +9,19 @@ from pathlib import Path
 
 from tests.helpers.mount import Mount
 
+_GIVEN: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port on 127.0.0.1 not handed out before in this process: the kernel may give
+    a just-closed port again, and two members on one address share a journal."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 class Cluster:
