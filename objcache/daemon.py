@@ -445,6 +445,7 @@ class Daemon:
     async def _main(self, ready: Any) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.chunks.run)
+            await nursery.start(self.fs.run)
             if self.cluster is not None:
                 # Join before mounting: a refused secret or a taken node id is a start-up
                 # error, and nothing is mounted yet.

@@ -7,6 +7,7 @@ written back later by objcache.core.writeback. All state is owned by the trio th
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import stat
@@ -43,6 +44,7 @@ from objcache.errors import (
     NotADirectory,
     NotEmpty,
     NotFound,
+    ObjcacheError,
     ReadOnly,
     first_error,
 )
@@ -71,6 +73,37 @@ class FileHandle:
 
 
 RELIST_AFTER_STALE_LOOKUPS = 16
+# A stat of a file known only from a LIST costs a HEAD (S3 lists no metadata). After this
+# many such stats in one listed directory (`ls -l`, `du`, a reader opening its files) the
+# rest of the directory is HEADed in the background, META_PREFETCH at a time, in listing
+# order from there: the stats then find their answer in flight or done instead of paying
+# one round trip each in sequence.
+META_PREFETCH_AFTER = 4
+META_PREFETCH = 16
+META_PREFETCH_WINDOW = 512  # entries ahead of the last one stat'ed
+META_READ_WINDOW = 64  # the same, in a directory whose files are being read
+
+
+class _MetaPrefetch:
+    """One directory's background HEADs, in listing order from where stats started."""
+
+    def __init__(self, d: Inode, after: str) -> None:
+        self.dir = d
+        self.children = d.children or {}
+        self.names = sorted(self.children)
+        start = bisect.bisect_right(self.names, after)
+        self.names = self.names[start:] + self.names[:start]
+        self._pos = {n: i for i, n in enumerate(self.names)}
+        self.next = 0  # index in `names` of the next one to fetch
+        self.cursor = 0  # index of the furthest one stat'ed by a caller
+        self.moved = trio.Event()
+
+    def saw(self, name: str) -> None:
+        i = self._pos.get(name)
+        if i is not None and i > self.cursor:
+            self.cursor = i
+            self.moved.set()
+            self.moved = trio.Event()
 
 
 class Filesystem:
@@ -96,12 +129,25 @@ class Filesystem:
         self._next_fh = 1
         self._head_inflight: dict[str, trio.Event] = {}
         self._list_inflight: dict[int, trio.Event] = {}
+        self._background: trio.Nursery | None = None
+        self._meta_prefetching: dict[int, _MetaPrefetch] = {}  # by directory inode
         root = Inode(ROOT_INO, "", DEFAULT_DIR_MODE, self.uid, self.gid)
         root.mtime_ns = time.time_ns()
         root.lookups = 1
         self.inodes[ROOT_INO] = root
         self.by_key[""] = ROOT_INO
         self.mount_time_ns = root.mtime_ns
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Own the nursery of background metadata prefetches."""
+        async with trio.open_nursery() as nursery:
+            self._background = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._background = None
 
     # -- inode table ----------------------------------------------------------------------
 
@@ -265,7 +311,7 @@ class Filesystem:
         else:
             ev = self._head_inflight[key] = trio.Event()
             try:
-                info = await self.store.head(key)
+                info = await self._head_file(inode)
                 if info is None:
                     if self.by_key.get(key) == inode.ino and key not in self.local.by_key:
                         self._forget_child(inode)
@@ -278,6 +324,74 @@ class Filesystem:
         if ino is None:
             raise NotFound(key)
         return self.inodes[ino]
+
+    async def _head_file(self, inode: Inode) -> ObjectInfo | None:
+        parent = self.inodes.get(self.by_key.get(parent_key(inode.key), -1))
+        if (not inode.meta_loaded and inode.etag is not None and parent is not None
+                and parent.read_children):
+            # Known only from a LIST, in a directory whose files are being read (not
+            # just stat'ed, like `ls -l`): a small one is fetched whole by the same
+            # request that tells its metadata.
+            info = await self.chunks.head_by_get(self.store, inode.key, inode.size,
+                                                 inode.etag)
+            if info is not False:
+                return info
+        return await self.store.head(inode.key)
+
+    def _listed_file_stat(self, inode: Inode) -> None:
+        """A file known only from its directory's LIST is being stat'ed (see
+        META_PREFETCH_AFTER)."""
+        parent = self.inodes.get(self.by_key.get(parent_key(inode.key), -1))
+        if (parent is None or parent.children is None or self._background is None
+                or parent.ino in self._meta_prefetching):
+            return
+        parent.meta_misses += 1
+        if parent.meta_misses == META_PREFETCH_AFTER:
+            pf = _MetaPrefetch(parent, inode.key.rpartition("/")[2])
+            self._meta_prefetching[parent.ino] = pf
+            self._background.start_soon(self._prefetch_meta, pf)
+
+    async def _prefetch_meta(self, pf: _MetaPrefetch) -> None:
+        d, children = pf.dir, pf.children
+
+        async def worker() -> None:
+            while pf.next < len(pf.names):
+                if d.children is not children:
+                    return  # listed again (or forgotten): the next stats start afresh
+                # Far enough ahead of whoever is stat'ing: wait for them (or stop, when
+                # they are done), so a few stats never fetch a whole directory. Files
+                # being read are fetched whole (see _head_file): a shorter window.
+                window = META_READ_WINDOW if d.read_children else META_PREFETCH_WINDOW
+                if pf.next > pf.cursor + window:
+                    with trio.move_on_after(self.ttl):
+                        await pf.moved.wait()
+                    if pf.next > pf.cursor + window:
+                        return
+                    continue
+                name = pf.names[pf.next]
+                pf.next += 1
+                inode = self.inodes.get(children.get(name, -1))
+                if (inode is None or inode.is_dir or inode.meta_loaded
+                        or inode.key in self.local.by_key):
+                    continue
+                try:
+                    await self._revalidate(inode)
+                except ObjcacheError:
+                    pass  # gone, or S3 trouble: the stat that wants it will say so
+
+        try:
+            async with trio.open_nursery() as n:
+                for _ in range(META_PREFETCH):
+                    n.start_soon(worker)
+        finally:
+            if self._meta_prefetching.get(d.ino) is pf:
+                del self._meta_prefetching[d.ino]
+
+    def _stat_seen(self, parent: Inode, name: str) -> None:
+        """A lookup in `parent`: moves a running prefetch's window along."""
+        pf = self._meta_prefetching.get(parent.ino)
+        if pf is not None:
+            pf.saw(name)
 
     def _forget_child(self, inode: Inode) -> None:
         pino = self.by_key.get(parent_key(inode.key))
@@ -292,6 +406,8 @@ class Filesystem:
     async def _resolve(self, parent: Inode, name: str) -> Inode:
         """The child `name` of `parent`, asking S3 when our knowledge is stale."""
         key = self._key(parent, name)
+        if self._meta_prefetching:
+            self._stat_seen(parent, name)
         ino = parent.children.get(name) if parent.children is not None else None
         if ino is None:
             ino = self.by_key.get(key)
@@ -311,12 +427,24 @@ class Filesystem:
                     inode = self.inodes.get((parent.children or {}).get(name, -1)) or inode
                     if inode.meta_loaded and self._fresh(inode.checked):
                         return inode
+            else:
+                self._listed_file_stat(inode)
             return await self._revalidate(inode)
         if key in self.local.by_key:
             inode = self._new_inode(key, DEFAULT_FILE_MODE)
         elif parent.children is not None and self._fresh(parent.listed):
             raise NotFound(key)
+        elif parent.stale_lookups >= RELIST_AFTER_STALE_LOOKUPS:
+            # Many names looked up one by one in a directory nobody listed (a reader
+            # opening its files by name): one LIST page per 1000 of them answers the rest
+            # instead of a HEAD and a LIST each.
+            await self._relist(parent)
+            ino = (parent.children or {}).get(name)
+            if ino is None or ino not in self.inodes:
+                raise NotFound(key)
+            return self.inodes[ino]
         else:
+            parent.stale_lookups += 1
             info, is_dir = await self._head(key)
             ino = self.by_key.get(key)  # someone else may have created it meanwhile
             if ino is not None:
@@ -363,6 +491,8 @@ class Filesystem:
                 and not (inode.meta_loaded and self._fresh(inode.checked))):
             if inode.key.startswith("\0"):
                 return self._detached_attr(inode)
+            if not inode.meta_loaded:
+                self._listed_file_stat(inode)
             fresh = await self._revalidate(inode)
             if fresh.ino != inode.ino:
                 raise NotFound(inode.key)  # it became another type; the old inode is stale
@@ -415,7 +545,7 @@ class Filesystem:
                         self._detach(inode)
         d.children = children
         d.listed = time.monotonic()
-        d.stale_lookups = 0
+        d.stale_lookups = d.meta_misses = d.read_children = 0
         return children
 
     def _merge_unlisted(self, d: Inode, children: dict[str, int]) -> None:
@@ -529,6 +659,9 @@ class Filesystem:
         if writable:
             self._writable()
         lf = self.local.by_key.get(inode.key)
+        parent = self.inodes.get(self.by_key.get(parent_key(inode.key), -1))
+        if parent is not None:
+            parent.read_children += 1  # see _head_file
         if lf is None and not (inode.meta_loaded and self._fresh(inode.checked)):
             # Close-to-open against S3: an open after the TTL sees a changed object.
             fresh = await self._revalidate(inode)

@@ -54,6 +54,12 @@ class ObjectStore(Protocol):
 
     async def get_range(self, key: str, etag: str | None, start: int, length: int) -> bytes: ...
 
+    async def head_by_get(self, key: str, length: int, fd: int
+                          ) -> tuple[ObjectInfo, int] | None:
+        """What `head` says, from a GET of the first `length` bytes, which are written to
+        `fd` at 0; also how many were. None if there is no such object."""
+        ...
+
     async def put_bytes(self, key: str, body: bytes, metadata: dict[str, str]) -> str: ...
 
     async def put_file(self, key: str, path: str, size: int, metadata: dict[str, str],

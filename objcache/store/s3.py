@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import boto3
 import botocore.exceptions as bex
 import trio
+import urllib3
 from botocore.config import Config
 
 from objcache.errors import (
@@ -29,6 +30,7 @@ from objcache.errors import (
 )
 from objcache.metrics import S3_SECONDS
 from objcache.store import ListPage, ObjectInfo
+from objcache.store.signed import SignedHttp
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +45,7 @@ _TRANSIENT_EXC = (
     bex.EndpointConnectionError, bex.ConnectionClosedError, bex.ReadTimeoutError,
     bex.ConnectTimeoutError, bex.ResponseStreamingError, bex.IncompleteReadError,
     ConnectionError, TimeoutError,
+    urllib3.exceptions.HTTPError,  # a body read failing on objcache.store.signed's path
 )
 
 
@@ -78,7 +81,7 @@ def _is_transient(e: BaseException) -> bool:
 
 def make_client(endpoint_url: str | None, region: str | None, pool: int,
                 connect_timeout: float = 5, read_timeout: float = 30,
-                attempts: int = 3) -> Any:
+                attempts: int = 3, session: Any = None) -> Any:
     s3cfg: dict[str, Any] = {}
     if endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get(
             "AWS_ENDPOINT_URL_S3"):
@@ -89,7 +92,8 @@ def make_client(endpoint_url: str | None, region: str | None, pool: int,
                                                      "max_attempts": attempts},
                  s3=s3cfg, region_name=region or os.environ.get("AWS_REGION")
                  or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=cfg)
+    session = session or boto3.session.Session()
+    return session.client("s3", endpoint_url=endpoint_url, config=cfg)
 
 
 def _meta_args(metadata: dict[str, str] | None) -> dict[str, Any]:
@@ -101,7 +105,7 @@ class S3Store:
 
     def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None,
                  region: str | None = None, concurrency: int = 8,
-                 retry_seconds: float = 60.0) -> None:
+                 retry_seconds: float = 60.0, fast_requests: bool = True) -> None:
         self.bucket = bucket
         self.base = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
         self.retry_seconds = retry_seconds
@@ -111,8 +115,16 @@ class S3Store:
         self.get_limiter = trio.CapacityLimiter(concurrency)
         self.put_limiter = trio.CapacityLimiter(concurrency)
         self.meta_limiter = trio.CapacityLimiter(max(4, concurrency))
-        self.client = make_client(endpoint_url, region, pool=3 * concurrency + 8)
+        session = boto3.session.Session()
+        self.client = make_client(endpoint_url, region, pool=3 * concurrency + 8,
+                                  session=session)
         self.endpoint = self.client.meta.endpoint_url
+        # HEAD and GET (the requests a cold `ls -l` or small-file pass is made of) skip
+        # boto3's per-call machinery; see objcache/store/signed.py.
+        self.fast: SignedHttp | None = None
+        if fast_requests and SignedHttp.usable(self.client, bucket):
+            self.fast = SignedHttp(self.client, session.get_credentials(), bucket,
+                                   pool=3 * concurrency + 8)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -203,7 +215,11 @@ class S3Store:
     # -- ObjectStore ----------------------------------------------------------------------
 
     async def head(self, key: str) -> ObjectInfo | None:
+        fast = self.fast
+
         def fn() -> Any:
+            if fast is not None:
+                return fast.head(self._full(key))
             return self.client.head_object(Bucket=self.bucket, Key=self._full(key))
         try:
             r = await self._call("head", key, fn, self.meta_limiter)
@@ -211,6 +227,47 @@ class S3Store:
             return None
         return self._info(key, r["ContentLength"], r["ETag"], r["LastModified"],
                           dict(r.get("Metadata") or {}))
+
+    async def head_by_get(self, key: str, length: int, fd: int) -> tuple[ObjectInfo, int] | None:
+        """A HEAD answered by a GET of the first `length` bytes, which land in `fd` at 0:
+        one request where a stat and a read of a small file would take two. Returns what
+        a HEAD says and how many bytes were written; None if there is no such object."""
+        fast = self.fast
+
+        def fn() -> tuple[dict[str, Any], int]:
+            if fast is not None:
+                body, r = fast.get_first(self._full(key), length)
+            else:
+                r = self.client.get_object(Bucket=self.bucket, Key=self._full(key),
+                                           Range=f"bytes=0-{length - 1}")
+                body = r["Body"]
+                if r.get("ContentRange"):
+                    r["ContentLength"] = int(r["ContentRange"].rpartition("/")[2])
+            want = min(length, r["ContentLength"])
+            done = 0
+            try:
+                while done < want:
+                    piece = body.read(min(_READ_PIECE, want - done))
+                    if not piece:
+                        break
+                    os.pwrite(fd, piece, done)
+                    done += len(piece)
+            finally:
+                if fast is not None:
+                    fast.done(body, done == want)
+                else:
+                    body.close()
+            self.stats.bytes_in += done
+            if done != want:
+                raise bex.IncompleteReadError(actual_bytes=done, expected_bytes=want)
+            return r, done
+
+        try:
+            r, got = await self._call("get", key, fn, self.get_limiter)
+        except NotFound:
+            return None
+        return self._info(key, r["ContentLength"], r["ETag"], r["LastModified"],
+                          dict(r.get("Metadata") or {})), got
 
     async def list_dir(self, prefix: str) -> AsyncIterator[ListPage]:
         full = self._full(prefix)
@@ -270,9 +327,13 @@ class S3Store:
         if length <= 0:
             return
         args = self._get_args(key, etag, start, length)
+        fast = self.fast
 
         def fn() -> None:
-            body = self.client.get_object(**args)["Body"]
+            if fast is not None:
+                body = fast.get(args["Key"], start, length, etag)
+            else:
+                body = self.client.get_object(**args)["Body"]
             done = 0
             try:
                 while done < length:
@@ -282,7 +343,10 @@ class S3Store:
                     os.pwrite(fd, piece, file_offset + done)
                     done += len(piece)
             finally:
-                body.close()
+                if fast is not None:
+                    fast.done(body, done == length)
+                else:
+                    body.close()
             self.stats.bytes_in += done
             if done != length:
                 # A short body is a dropped connection: let the retry loop fetch it again.
@@ -294,9 +358,18 @@ class S3Store:
         if length <= 0:
             return b""
         args = self._get_args(key, etag, start, length)
+        fast = self.fast
 
         def fn() -> bytes:
-            data: bytes = self.client.get_object(**args)["Body"].read()
+            if fast is not None:
+                r = fast.get(args["Key"], start, length, etag)
+                data: bytes = b""
+                try:
+                    data = r.read()
+                finally:
+                    fast.done(r, len(data) == length)
+            else:
+                data = self.client.get_object(**args)["Body"].read()
             if len(data) != length:
                 raise bex.IncompleteReadError(actual_bytes=len(data), expected_bytes=length)
             self.stats.bytes_in += len(data)

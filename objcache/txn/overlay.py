@@ -45,6 +45,12 @@ class OverlayStore:
             return None
         return await self.store.head(key)
 
+    async def head_by_get(self, key: str, length: int, fd: int
+                          ) -> tuple[ObjectInfo, int] | None:
+        if self._tombstoned(key):
+            return None
+        return await self.store.head_by_get(key, length, fd)
+
     async def has_prefix(self, prefix: str) -> bool:
         if not self._tombs_under(prefix):
             return await self.store.has_prefix(prefix)

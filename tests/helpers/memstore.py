@@ -74,6 +74,16 @@ class MemoryStore:
         await trio.sleep(self.delay)
         return self._check(key, etag)[start:start + length]
 
+    async def head_by_get(self, key: str, length: int, fd: int
+                          ) -> tuple[ObjectInfo, int] | None:
+        self.calls["get"] += 1
+        await trio.sleep(self.delay)
+        if key not in self.objects:
+            return None
+        data = self.objects[key][0][:length]
+        os.pwrite(fd, data, 0)
+        return self._info(key, True), len(data)
+
     async def put_bytes(self, key: str, body: bytes, metadata: dict[str, str]) -> str:
         self.calls["put"] += 1
         return self.put(key, body, metadata)

@@ -29,7 +29,8 @@ class FlakyClient:
 
 
 def store_with(client: FlakyClient, retry_seconds: float = 5) -> S3Store:
-    s = S3Store("b", "p", endpoint_url="http://127.0.0.1:9", retry_seconds=retry_seconds)
+    s = S3Store("b", "p", endpoint_url="http://127.0.0.1:9", retry_seconds=retry_seconds,
+                fast_requests=False)
     s.client = client
     return s
 

@@ -1,0 +1,156 @@
+"""The hot small S3 requests (HEAD, ranged GET) as plain SigV4-signed HTTP on urllib3.
+
+boto3's per-call machinery (parameter validation, event hooks, response parsing) costs
+about 3 ms of CPU per request; a cold `ls -l` or a pass over small files is nothing but
+such requests, and in one Python process that CPU is the ceiling (measured with 16
+threads against SeaweedFS on 2 vCPUs: HEAD 335/s with boto3, 1,170/s here; GET of 16 KiB
+336/s vs 785/s). Signing stays botocore's (S3SigV4Auth with the same credential chain);
+everything else (LIST, PUT, multipart, COPY, DELETE) stays on boto3.
+
+Failures are raised as the same botocore exceptions boto3 would raise (ClientError with
+the S3 error code and HTTP status, or a connection/timeout error), so S3Store's one retry
+and error-mapping loop handles both paths.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import xml.etree.ElementTree as ET
+from datetime import datetime
+from email.utils import parsedate_to_datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+import botocore.exceptions as bex
+import urllib3
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.httpsession import get_cert_path
+from botocore.utils import percent_encode
+
+_META = "x-amz-meta-"
+# Virtual-hosted style needs a DNS label; with dots TLS host names break.
+_DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
+_PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")
+
+
+class SignedHttp:
+    """HEAD and GET of one bucket's objects. Thread-safe (urllib3 pools are)."""
+
+    def __init__(self, client: Any, credentials: Any, bucket: str, pool: int,
+                 connect_timeout: float = 5, read_timeout: float = 30) -> None:
+        self.bucket = bucket
+        self._credentials = credentials  # boto3's chain (may refresh itself)
+        self._region = client.meta.region_name
+        endpoint = client.meta.endpoint_url.rstrip("/")
+        if (client.meta.config.s3 or {}).get("addressing_style") == "path":
+            self._base = f"{endpoint}/{bucket}/"
+        else:
+            parts = urlsplit(endpoint)
+            self._base = f"{parts.scheme}://{bucket}.{parts.netloc}/"
+        self._timeout = urllib3.Timeout(connect=connect_timeout, read=read_timeout)
+        # the CA bundle boto3 would use (AWS_CA_BUNDLE, else botocore's default)
+        ca = os.environ.get("AWS_CA_BUNDLE") or get_cert_path(True)
+        # HEAD and GET are idempotent: one quiet retry covers a pooled keep-alive
+        # connection the server closed meanwhile (S3Store's loop handles the rest)
+        retries = urllib3.Retry(total=1, connect=1, read=1, status=0, redirect=0, other=0,
+                                allowed_methods={"GET", "HEAD"}, raise_on_status=False)
+        self._pool = urllib3.PoolManager(maxsize=pool, block=False, retries=retries,
+                                         ca_certs=ca)
+
+    @staticmethod
+    def usable(client: Any, bucket: str) -> bool:
+        """Whether requests can go out without boto3's extras: no proxy, and an address
+        style we build the same way (path style, or a plain DNS-label bucket)."""
+        if any(os.environ.get(v) for v in _PROXY_ENV):
+            return False
+        s3 = client.meta.config.s3 or {}
+        return s3.get("addressing_style") == "path" or bool(_DNS_BUCKET.match(bucket))
+
+    def _request(self, method: str, key: str, headers: dict[str, str]) -> Any:
+        url = self._base + percent_encode(key, safe="/~")
+        creds = self._credentials
+        if creds is None:
+            raise bex.NoCredentialsError()
+        req = AWSRequest(method=method, url=url, headers=headers)
+        S3SigV4Auth(creds.get_frozen_credentials(), "s3", self._region).add_auth(req)
+        try:
+            return self._pool.request(method, url, headers=dict(req.headers.items()),
+                                      preload_content=False, timeout=self._timeout,
+                                      redirect=False)
+        except urllib3.exceptions.TimeoutError as e:
+            raise TimeoutError(f"S3 {method} timed out: {e}") from None
+        except urllib3.exceptions.HTTPError as e:
+            raise ConnectionError(f"S3 {method} failed: {e}") from None
+
+    def _raise(self, r: Any, op: str) -> None:
+        body = b"" if op == "HeadObject" else r.read()  # error bodies are small
+        r.release_conn()
+        code = str(r.status)
+        message = r.reason or ""
+        if body:
+            try:
+                root = ET.fromstring(body)
+                code = root.findtext("Code") or code
+                message = root.findtext("Message") or message
+            except ET.ParseError:
+                pass
+        raise bex.ClientError({"Error": {"Code": code, "Message": message},
+                               "ResponseMetadata": {"HTTPStatusCode": r.status}}, op)
+
+    def head(self, key: str) -> dict[str, Any]:
+        """head_object's answer: ContentLength, ETag, LastModified, Metadata."""
+        r = self._request("HEAD", key, {})
+        if r.status != 200:
+            self._raise(r, "HeadObject")
+        r.release_conn()
+        return _described(r.headers, int(r.headers.get("Content-Length", 0)))
+
+    def get_first(self, key: str, length: int) -> tuple[Any, dict[str, Any]]:
+        """GET the first `length` bytes (fewer if the object is smaller): the open response
+        (read it, then `done`) and what a HEAD would have said, from its headers."""
+        r = self._request("GET", key, {"Range": f"bytes=0-{length - 1}"})
+        if r.status == 206:
+            total = int(r.headers.get("Content-Range", "/0").rpartition("/")[2])
+        elif r.status == 200:
+            total = int(r.headers.get("Content-Length", 0))
+        else:
+            self._raise(r, "GetObject")
+        return r, _described(r.headers, total)
+
+    def get(self, key: str, start: int, length: int, etag: str | None) -> Any:
+        """An open response carrying exactly bytes start..start+length-1. Read it, then
+        `done(r, complete)`."""
+        headers = {"Range": f"bytes={start}-{start + length - 1}"}
+        if etag:
+            headers["If-Match"] = etag
+        r = self._request("GET", key, headers)
+        if r.status not in (200, 206):
+            self._raise(r, "GetObject")
+        if r.status == 200 and int(r.headers.get("Content-Length", -1)) != length:
+            r.close()  # the server ignored the range: this body is not what we asked for
+            raise bex.ClientError({"Error": {"Code": "RangeIgnored", "Message": ""},
+                                   "ResponseMetadata": {"HTTPStatusCode": 200}}, "GetObject")
+        return r
+
+    @staticmethod
+    def done(r: Any, complete: bool) -> None:
+        """Return the connection to the pool only when its body was read to the end; a
+        half-read connection would hand the rest to the next request."""
+        if complete:
+            r.release_conn()
+        else:
+            r.close()
+
+
+def _described(h: Any, size: int) -> dict[str, Any]:
+    meta = {k[len(_META):].lower(): v for k, v in h.items() if k.lower().startswith(_META)}
+    return {"ContentLength": size, "ETag": h.get("ETag", ""),
+            "LastModified": _http_date(h.get("Last-Modified")), "Metadata": meta}
+
+
+def _http_date(value: str | None) -> datetime:
+    if not value:
+        return datetime.fromtimestamp(0).astimezone()
+    return parsedate_to_datetime(value)

@@ -1,0 +1,99 @@
+"""How the filesystem core asks S3 about files it only knows from a LIST (objcache/core/
+filesystem.py): a stat storm in a listed directory is answered by background HEADs that
+stay a bounded window ahead; a directory whose files are being read gets one GET per small
+file (its metadata from the same response); names looked up one by one in an unlisted
+directory end in one LIST. Driven without FUSE on the in-memory store, counting requests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from objcache.cache.chunks import ChunkCache
+from objcache.cache.localfiles import LocalFiles
+from objcache.cache.statedb import StateDB
+from objcache.config import MountConfig
+from objcache.core.filesystem import (
+    META_PREFETCH,
+    META_PREFETCH_WINDOW,
+    META_READ_WINDOW,
+    RELIST_AFTER_STALE_LOOKUPS,
+    Filesystem,
+)
+from objcache.core.inode import ROOT_INO
+from tests.helpers.memstore import MemoryStore
+
+N = 2000
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[tuple[Filesystem, MemoryStore]]:
+    store = MemoryStore()
+    for i in range(N):
+        store.put(f"d/{i:05d}", f"file {i}".encode() * 100)
+    db = StateDB(tmp_path / "state.db")
+    cfg = MountConfig(chunk_size=4 << 20, readahead=4 << 20)
+    chunks = ChunkCache(db, tmp_path, 1 << 30, cfg.chunk_size, store)  # type: ignore[arg-type]
+    fs = Filesystem(cfg, store, chunks, LocalFiles(db, tmp_path, chunks))  # type: ignore[arg-type]
+    store.delay = 0.001
+    async with trio.open_nursery() as n:
+        await n.start(chunks.run)
+        await n.start(fs.run)
+        yield fs, store
+        n.cancel_scope.cancel()
+
+
+async def _listed_dir(fs: Filesystem) -> int:
+    ino = (await fs.lookup(ROOT_INO, "d")).ino
+    await fs.readdir(ino)
+    return ino
+
+
+async def test_stat_storm_is_prefetched_within_a_window(env) -> None:  # type: ignore
+    fs, store = env
+    d = await _listed_dir(fs)
+    store.calls.clear()
+    for i in range(10):  # `ls -l`: a lookup per entry, in listing order
+        attr = await fs.lookup(d, f"{i:05d}")
+        assert attr.size == len(f"file {i}".encode() * 100)
+    await trio.sleep(0.5)
+    # ahead of the caller, but not the whole directory for ten stats
+    assert 10 + META_PREFETCH <= store.calls["head"] <= 10 + META_PREFETCH_WINDOW + \
+        META_PREFETCH
+    assert store.calls["get"] == 0  # stat only: nothing downloaded
+    for i in range(10, N):
+        await fs.lookup(d, f"{i:05d}")
+    assert store.calls["head"] == N  # each file asked about exactly once
+
+
+async def test_files_being_read_cost_one_get_each(env) -> None:  # type: ignore
+    fs, store = env
+    d = await _listed_dir(fs)
+    store.calls.clear()
+    for i in range(50):
+        attr = await fs.lookup(d, f"{i:05d}")
+        fh, _ = await fs.open(attr.ino, os.O_RDONLY)
+        assert await fs.read(fh, 0, 1 << 20) == f"file {i}".encode() * 100
+        await fs.release(fh)
+    assert store.calls["head"] <= 1  # the first lookup, before any file was opened
+    await trio.sleep(0.5)
+    # nobody reads on: the prefetch stops a short window ahead of the reader
+    assert 50 + META_PREFETCH <= store.calls["get"] <= 50 + META_READ_WINDOW + META_PREFETCH
+
+
+async def test_names_looked_up_in_an_unlisted_directory_end_in_one_list(env) -> None:  # type: ignore
+    fs, store = env
+    d = (await fs.lookup(ROOT_INO, "d")).ino
+    store.calls.clear()
+    for i in range(200):
+        await fs.lookup(d, f"{i:05d}")
+    assert store.calls["list"] == 1
+    assert store.calls["head"] <= RELIST_AFTER_STALE_LOOKUPS + META_PREFETCH_WINDOW + \
+        META_PREFETCH + 200 - RELIST_AFTER_STALE_LOOKUPS
+    with pytest.raises(Exception, match="missing"):
+        await fs.lookup(d, "missing")
+    assert store.calls["list"] == 1  # the fresh listing answers misses too
