@@ -71,3 +71,27 @@ async def test_same_errors_as_boto3(seaweed, bucket, s3, creds, monkeypatch) -> 
         await bad.head("k")
     with pytest.raises(StoreError, match="SignatureDoesNotMatch|AccessDenied|403"):
         await bad.get_range("k", None, 0, 10)
+
+
+async def test_listings_match_boto3(seaweed, bucket, s3, creds) -> None:  # type: ignore
+    from concurrent.futures import ThreadPoolExecutor
+    fast, slow = _stores(seaweed, bucket)
+    keys = [f"pre/{k}" for k in KEYS] + [f"pre/many/{i:05d}" for i in range(1100)] + \
+        ["pre/ctl\x01char", "pre/a&b=c?d"]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: s3.put_object(Bucket=bucket, Key=k, Body=b"x"), keys))
+
+    async def pages(store: S3Store, prefix: str) -> list[tuple[list, list]]:  # type: ignore
+        return [([(o.key, o.size, o.etag, o.mtime_ns) for o in p.objects], p.prefixes)
+                async for p in store.list_dir(prefix)]
+
+    async def flat(store: S3Store, prefix: str, after: str = "") -> list[str]:
+        return [o.key async for o in store.list_recursive(prefix, after)]
+
+    for prefix in ("", "many/", "with space/", "ünïcode/"):
+        assert await pages(fast, prefix) == await pages(slow, prefix), prefix
+    assert len([k for p, _ in await pages(fast, "many/") for k in p]) == 1100  # two pages
+    everything = await flat(fast, "")
+    assert everything == await flat(slow, "") and len(everything) == len(keys)
+    assert await flat(fast, "", "many/00500") == await flat(slow, "", "many/00500")
+    assert await fast.has_prefix("ünïcode/") and not await fast.has_prefix("nothing/")
