@@ -340,11 +340,14 @@ class ChunkCache:
                           listed_etag: str) -> ObjectInfo | None | bool:
         """HEAD a small object with a GET of all of it, keeping the bytes as its chunk 0
         (its first read then costs nothing). False when that is not this node's to do:
-        the chunk belongs to another node, the object is not small, or there is no room;
+        the chunk is cached already or belongs to another node, the object is not small,
+        or there is no room;
         the caller HEADs instead. None if the object is gone. `store` is the caller's
         view of the bucket (in a cluster it hides what the namespace deleted)."""
         if not 0 < listed_size <= min(self.chunk_size, SMALL_OBJECT):
             return False
+        if (key, listed_etag, 0) in self._index:
+            return False  # already cached (prefetched): a HEAD moves no data
         if self.peers is not None and self.peers.owner(key, listed_etag, 0) is not None:
             return False
         if not self.make_room(listed_size):
