@@ -282,8 +282,8 @@ def main() -> None:
         t0 = time.perf_counter()
         objcache("drain", str(nodes[2].mnt), timeout=1800)
         cl["drain_1024_s"] = time.perf_counter() - t0
-        listed = s3.list_objects_v2(Bucket=bucket, Prefix="dirty/")
-        cl["drain_in_s3"] = listed.get("KeyCount", 0)
+        cl["drain_in_s3"] = sum(p.get("KeyCount", 0) for p in s3.get_paginator(
+            "list_objects_v2").paginate(Bucket=bucket, Prefix="dirty/"))
         cl["peak_rss_bytes"] = max(r.stop() for r in rss_nodes)
         results["objcache_3_nodes"] = cl
     finally:

@@ -73,6 +73,9 @@ class FileHandle:
 
 
 RELIST_AFTER_STALE_LOOKUPS = 16
+# Directories the kernel forgot keep their listings while fewer inodes than this are known
+# (an inode is a few hundred bytes).
+MAX_KEPT_INODES = 200_000
 # A stat of a file known only from a LIST costs a HEAD (S3 lists no metadata). After this
 # many such stats in one listed directory (`ls -l`, `du`, a reader opening its files) the
 # rest of the directory is HEADed in the background, META_PREFETCH at a time, in listing
@@ -190,8 +193,15 @@ class Filesystem:
             if inode is None or ino == ROOT_INO:
                 continue
             inode.lookups -= n
-            still_listed = self.by_key.get(inode.key) == ino and self._listed_in_parent(inode)
-            if inode.lookups > 0 or still_listed:
+            named = self.by_key.get(inode.key) == ino
+            still_listed = named and self._listed_in_parent(inode)
+            # A directory's listing is the metadata of its files (what S3 told us, HEADs
+            # included): keep it when the kernel drops its dentries (memory pressure,
+            # drop_caches), so the next pass over a dataset does not HEAD every file
+            # again. Bounded by the inode count.
+            kept = (named and inode.children is not None
+                    and len(self.inodes) < MAX_KEPT_INODES)
+            if inode.lookups > 0 or still_listed or kept:
                 continue
             if self.by_key.get(inode.key) == ino:
                 del self.by_key[inode.key]

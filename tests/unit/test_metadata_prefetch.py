@@ -97,3 +97,17 @@ async def test_names_looked_up_in_an_unlisted_directory_end_in_one_list(env) -> 
     with pytest.raises(Exception, match="missing"):
         await fs.lookup(d, "missing")
     assert store.calls["list"] == 1  # the fresh listing answers misses too
+
+
+async def test_a_forgotten_directory_keeps_its_files_metadata(env) -> None:  # type: ignore
+    # drop_caches or memory pressure: the kernel forgets the directory and its files; the
+    # next pass over them must not HEAD every file again
+    fs, store = env
+    d = await _listed_dir(fs)
+    inos = [(await fs.lookup(d, f"{i:05d}")).ino for i in range(100)]
+    fs.forget([(ino, 1) for ino in inos] + [(d, 1)])
+    store.calls.clear()
+    d2 = (await fs.lookup(ROOT_INO, "d")).ino
+    for i in range(100):
+        await fs.lookup(d2, f"{i:05d}")
+    assert store.calls["head"] == 0 and store.calls["list"] == 0, store.calls
