@@ -19,6 +19,7 @@ import botocore.exceptions as bex
 import trio
 import urllib3
 from botocore.config import Config
+from botocore.response import StreamingBody
 from s3transfer.utils import ReadFileChunk
 
 from objcache.errors import (
@@ -248,23 +249,8 @@ class S3Store:
                 if r.get("ContentRange"):
                     r["ContentLength"] = int(r["ContentRange"].rpartition("/")[2])
             want = min(length, r["ContentLength"])
-            done = 0
-            try:
-                while done < want:
-                    piece = body.read(min(_READ_PIECE, want - done))
-                    if not piece:
-                        break
-                    os.pwrite(fd, piece, done)
-                    done += len(piece)
-            finally:
-                if fast is not None:
-                    fast.done(body, done == want)
-                else:
-                    body.close()
-            self.stats.bytes_in += done
-            if done != want:
-                raise bex.IncompleteReadError(actual_bytes=done, expected_bytes=want)
-            return r, done
+            self._body_into(body, want, fd, 0)
+            return r, want
 
         try:
             r, got = await self._call("get", key, fn, self.get_limiter)
@@ -344,25 +330,30 @@ class S3Store:
                 body = fast.get(args["Key"], start, length, etag)
             else:
                 body = self.client.get_object(**args)["Body"]
-            done = 0
-            try:
-                while done < length:
-                    piece = body.read(min(_READ_PIECE, length - done))
-                    if not piece:
-                        break
-                    os.pwrite(fd, piece, file_offset + done)
-                    done += len(piece)
-            finally:
-                if fast is not None:
-                    fast.done(body, done == length)
-                else:
-                    body.close()
-            self.stats.bytes_in += done
-            if done != length:
-                # A short body is a dropped connection: let the retry loop fetch it again.
-                raise bex.IncompleteReadError(actual_bytes=done, expected_bytes=length)
+            self._body_into(body, length, fd, file_offset)
 
         await self._call("get", key, fn, self.get_limiter)
+
+    def _body_into(self, body: Any, length: int, fd: int, file_offset: int) -> None:
+        """Copy a GET's body (boto3's stream or objcache.store.signed's response) into
+        `fd`, then close it; in a worker thread."""
+        done = 0
+        try:
+            while done < length:
+                piece = body.read(min(_READ_PIECE, length - done))
+                if not piece:
+                    break
+                os.pwrite(fd, piece, file_offset + done)
+                done += len(piece)
+        finally:
+            if isinstance(body, StreamingBody):
+                body.close()
+            else:
+                SignedHttp.done(body, done == length)
+        self.stats.bytes_in += done
+        if done != length:
+            # A short body is a dropped connection: let the retry loop fetch it again.
+            raise bex.IncompleteReadError(actual_bytes=done, expected_bytes=length)
 
     async def get_range(self, key: str, etag: str | None, start: int, length: int) -> bytes:
         if length <= 0:

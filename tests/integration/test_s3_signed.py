@@ -49,6 +49,15 @@ async def test_same_answers_as_boto3(seaweed, bucket, s3, creds, tmp_path) -> No
         finally:
             os.close(fd)
         assert path.read_bytes()[3:] == body[7:]
+        for store in (fast, slow):  # a HEAD answered by a GET, on both paths
+            fd = os.open(path, os.O_RDWR | os.O_TRUNC)
+            try:
+                got = await store.head_by_get(k, 4096, fd)
+                assert got is not None and got[0] == a and got[1] == 4096
+                await store.get_range_into(k, a.etag, 0, 100, fd, 4096)
+            finally:
+                os.close(fd)
+            assert path.read_bytes() == body[:4096] + body[:100]
     assert await fast.head("missing") is None
     # many requests in parallel share the pool (connections go back only when drained)
     async with trio.open_nursery() as n:
