@@ -23,6 +23,7 @@ from benchmarks.single_node import (
     boto3_download,
     drop_page_cache,
     read_file,
+    remove_workdir,
     upload_random,
 )
 from tests.helpers.cluster import Cluster
@@ -67,6 +68,7 @@ def main() -> None:
         for m in mounts:
             m.stop()
         weed.stop()
+        remove_workdir(work)
     gb = GiB / 1e9
     print(json.dumps(r, indent=2))
     print(f"boto3 8x8MiB ranged GETs    {gb / r['boto3_parallel_get_s']:.2f} GB/s")

@@ -29,7 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.single_node import boto3_download, drop_page_cache, read_file, upload_random
+from benchmarks.single_node import (
+    boto3_download,
+    drop_page_cache,
+    read_file,
+    remove_workdir,
+    upload_random,
+)
 from objcache.config import parse_size
 from tests.helpers.cluster import Cluster
 from tests.helpers.mount import Mount, objcache
@@ -290,19 +296,9 @@ def main() -> None:
         for m in mounts:
             m.stop()
         weed.stop()
-        _remove_workdir(work)
+        remove_workdir(work)
     write_report(results, big_size, args.small_files)
 
-
-def _remove_workdir(work: Path) -> None:
-    """The run leaves gigabytes (the data, every system's cache): remove them, unless
-    something is still mounted inside (rm -rf through a live mount would delete the data
-    behind it)."""
-    live = [p for p in work.iterdir() if p.is_dir() and os.path.ismount(p)]
-    if live:
-        print(f"not removing {work}: still mounted: {live}")
-        return
-    shutil.rmtree(work, ignore_errors=True)
 
 
 def _ratio(a: float | None, b: float | None) -> str:

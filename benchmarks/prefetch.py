@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.single_node import MiB
+from benchmarks.single_node import MiB, remove_workdir
 from tests.helpers.cluster import Cluster
 from tests.helpers.mount import Mount, objcache
 from tests.helpers.seaweed import SeaweedFS
@@ -83,6 +83,7 @@ def main() -> None:
         for m in mounts:
             m.stop()
         weed.stop()
+        remove_workdir(work)
     print(json.dumps(res, indent=2))
     n = len(objects)
     b3 = float(res["boto3_s"])  # type: ignore[arg-type]

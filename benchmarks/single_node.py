@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -39,6 +40,16 @@ def read_file(path: Path) -> float:
     finally:
         os.close(fd)
     return time.perf_counter() - t0
+
+
+def remove_workdir(work: Path) -> None:
+    """A run leaves gigabytes (the data, the caches): remove them, unless something is
+    still mounted inside (rm -rf through a live mount would delete the data behind it)."""
+    live = [p for p in work.iterdir() if p.is_dir() and os.path.ismount(p)]
+    if live:
+        print(f"not removing {work}: still mounted: {live}")
+        return
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def boto3_download(s3, bucket: str, key: str, size: int, part: int = 8 * MiB,  # type: ignore
@@ -103,6 +114,7 @@ def main() -> None:
         if m is not None:
             m.stop()
         weed.stop()
+        remove_workdir(work)
     gb = GiB / 1e9
     print(json.dumps({k: round(v, 4) for k, v in results.items()}, indent=2))
     print(f"cold read      {gb / results['cold_read_s']:.2f} GB/s")

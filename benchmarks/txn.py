@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from benchmarks.single_node import remove_workdir
 from tests.helpers.cluster import Cluster
 from tests.helpers.mount import Mount, objcache
 from tests.helpers.seaweed import SeaweedFS
@@ -132,7 +132,7 @@ def main() -> None:
         for m in mounts:
             m.stop()
         weed.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        remove_workdir(work)
     print(json.dumps(r, indent=2))
 
 
