@@ -37,8 +37,6 @@ from objcache.core.inode import (
 from objcache.errors import (
     Invalid,
     IsADirectory,
-    NotADirectory,
-    NotEmpty,
     NotFound,
     PeerError,
     first_error,
@@ -440,13 +438,7 @@ class ClusterFilesystem(Filesystem):
         parent.mtime_ns = time.time_ns()
 
     async def rmdir(self, parent_ino: int, name: bytes | str) -> None:
-        self._writable()
-        parent = self._dir(parent_ino)
-        inode = await self._resolve(parent, self._name(name))
-        if not inode.is_dir:
-            raise NotADirectory(inode.key)
-        if await self._list(inode, force=True):
-            raise NotEmpty(inode.key)
+        parent, inode = await self._empty_dir(parent_ino, name)
         await self.txn.submit({"op": "ns.rmdir", "key": inode.key + "/",
                                "s3": await self._in_s3(inode.key + "/")})
         self._forget_child(inode)

@@ -623,7 +623,8 @@ class Filesystem:
             return
         raise Exists(name)
 
-    async def rmdir(self, parent_ino: int, name: bytes | str) -> None:
+    async def _empty_dir(self, parent_ino: int, name: bytes | str) -> tuple[Inode, Inode]:
+        """rmdir's checks: (the parent, the directory named), which must be empty."""
         self._writable()
         parent = self._dir(parent_ino)
         inode = await self._resolve(parent, self._name(name))
@@ -631,6 +632,10 @@ class Filesystem:
             raise NotADirectory(inode.key)
         if await self._list(inode, force=True):
             raise NotEmpty(inode.key)
+        return parent, inode
+
+    async def rmdir(self, parent_ino: int, name: bytes | str) -> None:
+        parent, inode = await self._empty_dir(parent_ino, name)
         await self.store.delete(inode.key + "/")
         self._forget_child(inode)
         parent.mtime_ns = time.time_ns()
