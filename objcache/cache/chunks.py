@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 
 ChunkId = tuple[str, str, int]  # (key, etag, index)
 ChunkRef = tuple[str, str, int, int]  # (key, etag, object size, index): enough to fetch it
-# Objects up to this size are HEADed with a GET of all of them (see head_by_get): on S3 a
+# Objects up to this size are HEADed with a GET of all of them (see fetches_whole): on S3 a
 # GET of 1 MiB takes about as long as a HEAD, and a stat'ed small file is usually read next.
 SMALL_OBJECT = 1 << 20
 
@@ -297,8 +297,7 @@ class ChunkCache:
                 return None
             self.chunk_bytes += size  # reserved while downloading
             try:
-                self._tmp_seq += 1
-                tmp = str(self.root / "tmp" / f"{self._tmp_seq}")
+                tmp = self._tmp_path()
                 fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
                 try:
                     if not await self._fill(fd, cid, obj_size, size, near_from):
@@ -336,25 +335,27 @@ class ChunkCache:
         self._insert(ch)
         return ch
 
-    async def head_by_get(self, store: ObjectStore, key: str, listed_size: int,
-                          listed_etag: str) -> ObjectInfo | None | bool:
-        """HEAD a small object with a GET of all of it, keeping the bytes as its chunk 0
-        (its first read then costs nothing). False when that is not this node's to do:
-        the chunk is cached already or belongs to another node, the object is not small,
-        or there is no room;
-        the caller HEADs instead. None if the object is gone. `store` is the caller's
-        view of the bucket (in a cluster it hides what the namespace deleted)."""
-        if not 0 < listed_size <= min(self.chunk_size, SMALL_OBJECT):
-            return False
-        if (key, listed_etag, 0) in self._index:
-            return False  # already cached (prefetched): a HEAD moves no data
-        if self.peers is not None and self.peers.owner(key, listed_etag, 0) is not None:
-            return False
-        if not self.make_room(listed_size):
-            return False
-        self.chunk_bytes += listed_size  # reserved while downloading
+    def _tmp_path(self) -> str:
         self._tmp_seq += 1
-        tmp = str(self.root / "tmp" / f"{self._tmp_seq}")
+        return str(self.root / "tmp" / f"{self._tmp_seq}")
+
+    def fetches_whole(self, key: str, listed_size: int, listed_etag: str) -> bool:
+        """Whether `head_by_get` should GET this object whole here: it is small, not
+        cached yet, and its chunk 0 is this node's to hold."""
+        return (0 < listed_size <= min(self.chunk_size, SMALL_OBJECT)
+                and (key, listed_etag, 0) not in self._index
+                and (self.peers is None or self.peers.owner(key, listed_etag, 0) is None))
+
+    async def head_by_get(self, store: ObjectStore, key: str, listed_size: int
+                          ) -> ObjectInfo | None:
+        """HEAD a small object (see `fetches_whole`) with a GET of all of it, keeping the
+        bytes as its chunk 0: its first read then costs nothing. A plain HEAD when the
+        cache has no room. None if the object is gone. `store` is the caller's view of
+        the bucket (in a cluster it hides what the namespace deleted)."""
+        if not self.make_room(listed_size):
+            return await store.head(key)
+        self.chunk_bytes += listed_size  # reserved while downloading
+        tmp = self._tmp_path()
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:

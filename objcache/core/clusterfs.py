@@ -611,8 +611,7 @@ class ClusterFilesystem(Filesystem):
 
     def _add_listed(self, key: str, e: dict[str, Any], is_dir: bool) -> None:
         """Put a new entry into its parent's listing, if we have that listing."""
-        pino = self.by_key.get(parent_key(key))
-        parent = self.inodes.get(pino) if pino is not None else None
+        parent = self._parent_of(key)
         if parent is None or parent.children is None:
             return  # a lookup will find it in the entries
         inode = self._inode_for(key, e if (e["t"] == DIR) == is_dir else None, is_dir)

@@ -207,9 +207,13 @@ class Filesystem:
                 del self.by_key[inode.key]
             del self.inodes[ino]
 
+    def _parent_of(self, key: str) -> Inode | None:
+        """The inode of `key`'s directory, if we know one."""
+        pino = self.by_key.get(parent_key(key))
+        return self.inodes.get(pino) if pino is not None else None
+
     def _listed_in_parent(self, inode: Inode) -> bool:
-        pino = self.by_key.get(parent_key(inode.key))
-        parent = self.inodes.get(pino) if pino is not None else None
+        parent = self._parent_of(inode.key)
         return bool(parent and parent.children is not None
                     and parent.children.get(inode.key.rpartition("/")[2]) == inode.ino)
 
@@ -288,8 +292,7 @@ class Filesystem:
         return inode
 
     def _replace_child(self, old: Inode, new: Inode) -> None:
-        pino = self.by_key.get(parent_key(new.key))
-        parent = self.inodes.get(pino) if pino is not None else None
+        parent = self._parent_of(new.key)
         if parent is not None and parent.children is not None:
             parent.children[new.key.rpartition("/")[2]] = new.ino
 
@@ -336,22 +339,20 @@ class Filesystem:
         return self.inodes[ino]
 
     async def _head_file(self, inode: Inode) -> ObjectInfo | None:
-        parent = self.inodes.get(self.by_key.get(parent_key(inode.key), -1))
+        parent = self._parent_of(inode.key)
         if (not inode.meta_loaded and inode.etag is not None and parent is not None
-                and parent.read_children):
+                and parent.read_children
+                and self.chunks.fetches_whole(inode.key, inode.size, inode.etag)):
             # Known only from a LIST, in a directory whose files are being read (not
             # just stat'ed, like `ls -l`): a small one is fetched whole by the same
             # request that tells its metadata.
-            info = await self.chunks.head_by_get(self.store, inode.key, inode.size,
-                                                 inode.etag)
-            if info is not False:
-                return info
+            return await self.chunks.head_by_get(self.store, inode.key, inode.size)
         return await self.store.head(inode.key)
 
     def _listed_file_stat(self, inode: Inode) -> None:
         """A file known only from its directory's LIST is being stat'ed (see
         META_PREFETCH_AFTER)."""
-        parent = self.inodes.get(self.by_key.get(parent_key(inode.key), -1))
+        parent = self._parent_of(inode.key)
         if (parent is None or parent.children is None or self._background is None
                 or parent.ino in self._meta_prefetching):
             return
@@ -404,8 +405,7 @@ class Filesystem:
             pf.saw(name)
 
     def _forget_child(self, inode: Inode) -> None:
-        pino = self.by_key.get(parent_key(inode.key))
-        parent = self.inodes.get(pino) if pino is not None else None
+        parent = self._parent_of(inode.key)
         if parent is not None and parent.children is not None:
             parent.children.pop(inode.key.rpartition("/")[2], None)
         self._detach(inode)
@@ -674,7 +674,7 @@ class Filesystem:
         if writable:
             self._writable()
         lf = self.local.by_key.get(inode.key)
-        parent = self.inodes.get(self.by_key.get(parent_key(inode.key), -1))
+        parent = self._parent_of(inode.key)
         if parent is not None:
             parent.read_children += 1  # see _head_file
         if lf is None and not (inode.meta_loaded and self._fresh(inode.checked)):

@@ -41,7 +41,6 @@ class SignedHttp:
 
     def __init__(self, client: Any, credentials: Any, bucket: str, pool: int,
                  connect_timeout: float = 5, read_timeout: float = 30) -> None:
-        self.bucket = bucket
         self._credentials = credentials  # boto3's chain (may refresh itself)
         self._region = client.meta.region_name
         endpoint = client.meta.endpoint_url.rstrip("/")
