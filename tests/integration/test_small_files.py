@@ -38,6 +38,9 @@ def test_small_files_cost_one_request_each(s3, bucket, proxy, mounts, tmp_path):
         return m
 
     ls = fresh("ls")
+    assert os.listdir(ls.mnt) == ["d"]
+    assert len(os.listdir(ls.mnt / "d")) == FILES + 2
+    assert proxy.requests["HEAD"] == 0, proxy.requests  # names only: no metadata asked
     out = subprocess.run(["ls", "-l", str(ls.mnt / "d")], capture_output=True, text=True,
                          check=True).stdout
     lines = {ln.split()[-1] if "->" not in ln else ln.split()[-3]: ln

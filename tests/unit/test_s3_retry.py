@@ -63,3 +63,18 @@ async def test_retry_budget_ends_in_unavailable() -> None:
     s = store_with(FlakyClient([client_error("503", 503)] * 100), retry_seconds=0.5)
     with pytest.raises(StoreUnavailable):
         await s.head("k")
+
+
+def test_signed_path_is_used_only_where_it_builds_the_same_requests(monkeypatch) -> None:  # type: ignore
+    from objcache.store.s3 import make_client
+    from objcache.store.signed import SignedHttp
+    for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "AWS_ENDPOINT_URL",
+              "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(v, raising=False)
+    custom = make_client("http://127.0.0.1:9", "us-east-1", 2)  # path style
+    aws = make_client(None, "us-east-1", 2)  # virtual-hosted style
+    assert SignedHttp.usable(custom, "any.bucket.name")
+    assert SignedHttp.usable(aws, "plain-bucket")
+    assert not SignedHttp.usable(aws, "dotted.bucket")  # TLS host names break
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:3128")
+    assert not SignedHttp.usable(custom, "any")  # boto3 honours proxies; we would not
