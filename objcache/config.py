@@ -138,6 +138,7 @@ _SIZE_KEYS = {"cache_size", "chunk_size", "readahead", "near_cache_size"}
 _DURATION_KEYS = {"writeback_delay", "metadata_ttl", "s3_retry_seconds", "peer_timeout",
                   "txn_timeout"}
 _BOOL_KEYS = {"foreground", "read_only", "allow_other", "recover_mount"}
+_INT_KEYS = {"s3_concurrency", "replicas"}
 
 
 def parse_source(source: str) -> tuple[str, str]:
@@ -171,7 +172,9 @@ def set_option(cfg: MountConfig, key: str, value: object, origin: str) -> None:
                 from None
         if not 0 < value < 65536:
             raise UserError(f"invalid value for {key!r} in {origin}: expected a port")
-    elif name == "s3_concurrency":
+    elif name in _INT_KEYS:
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
         if not isinstance(value, int) or isinstance(value, bool):
             raise UserError(f"invalid value for {key!r} in {origin}: expected an integer")
     elif name == "peers" and isinstance(value, list) and all(isinstance(v, str) for v in value):

@@ -1,85 +1,95 @@
-"""Domain exceptions and the single table that maps them to errno values.
+"""Domain exceptions and the one table of error codes.
 
-Every layer below the FUSE adapter raises these; `errno_of` is the one place where an
-exception becomes an errno. Anything not listed here is a bug and becomes EIO (logged).
+Every layer below the FUSE adapter raises these. Each kind has one row in `_TABLE`: its
+errno (what the application sees) and its code (what crosses the wire: peer replies and
+the results of replicated namespace commands). `errno_of` is the one place where an
+exception becomes an errno, `error_from_code` the one place where a code becomes an
+exception again. Anything not listed here is a bug and becomes EIO (logged).
 """
 
 from __future__ import annotations
 
-import errno
+import errno as _errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 
 class ObjcacheError(Exception):
-    """Base class; `errno` is what the FUSE layer replies with."""
+    """Base class: `errno` is what the FUSE layer replies, `code` what the wire carries
+    (both set from `_TABLE` below)."""
 
-    errno: int = errno.EIO
+    errno: int = _errno.EIO
+    code: str = "failed"
 
 
 class NotFound(ObjcacheError):
-    errno = errno.ENOENT
+    pass
+
+
+class Gone(NotFound):
+    """A file was removed (by another node) before this change to it committed."""
 
 
 class Exists(ObjcacheError):
-    errno = errno.EEXIST
+    pass
 
 
 class NotEmpty(ObjcacheError):
-    errno = errno.ENOTEMPTY
+    pass
 
 
 class IsADirectory(ObjcacheError):
-    errno = errno.EISDIR
+    pass
 
 
 class NotADirectory(ObjcacheError):
-    errno = errno.ENOTDIR
+    pass
 
 
 class NoSpace(ObjcacheError):
     """The cache holds only dirty or pinned data; nothing clean is left to evict."""
 
-    errno = errno.ENOSPC
-
 
 class ReadOnly(ObjcacheError):
-    errno = errno.EROFS
+    pass
 
 
 class Invalid(ObjcacheError):
-    errno = errno.EINVAL
-
-
-class NotSupported(ObjcacheError):
-    errno = errno.ENOTSUP
+    pass
 
 
 class NameTooLong(ObjcacheError):
-    errno = errno.ENAMETOOLONG
+    pass
 
 
 class StaleObject(ObjcacheError):
     """The object changed in S3 while a handle was reading the old version."""
 
-    errno = errno.ESTALE
-
 
 class StoreError(ObjcacheError):
     """A permanent object-store failure (after retries, or not retryable)."""
-
-    errno = errno.EIO
 
 
 class StoreUnavailable(StoreError):
     """The object store could not be reached within the retry budget."""
 
 
+class NoQuorum(ObjcacheError):
+    """A replicated change could not be committed in time (no leader, or no majority)."""
+
+
 class PeerError(ObjcacheError):
     """A peer could not answer (unreachable, timed out, closed, or failed). Readers fall back
-    to another owner or to S3; it reaches a FUSE reply only as EIO if everything failed."""
+    to another owner or to S3; it reaches a FUSE reply only as EIO if everything failed.
+    `answered`: the peer replied with this error (it is alive)."""
 
-    errno = errno.EIO
+    answered = False
+
+
+class Conflict(PeerError):
+    """A peer refused a request because it contradicts what it knows (a node id in use)."""
+
+    answered = True
 
 
 class ProtocolError(PeerError):
@@ -88,6 +98,39 @@ class ProtocolError(PeerError):
 
 class AuthError(ProtocolError):
     """A peer does not hold the cluster secret (or we do not hold its)."""
+
+
+# The one table: exception -> (wire code, errno). Codes are stable: they are in Raft logs.
+_TABLE: dict[type[ObjcacheError], tuple[str, int]] = {
+    ObjcacheError: ("failed", _errno.EIO),
+    NotFound: ("notfound", _errno.ENOENT),
+    Gone: ("gone", _errno.ENOENT),
+    Exists: ("exists", _errno.EEXIST),
+    NotEmpty: ("notempty", _errno.ENOTEMPTY),
+    IsADirectory: ("isdir", _errno.EISDIR),
+    NotADirectory: ("notdir", _errno.ENOTDIR),
+    NoSpace: ("nospace", _errno.ENOSPC),
+    ReadOnly: ("readonly", _errno.EROFS),
+    Invalid: ("invalid", _errno.EINVAL),
+    NameTooLong: ("nametoolong", _errno.ENAMETOOLONG),
+    StaleObject: ("stale", _errno.ESTALE),
+    StoreError: ("store", _errno.EIO),
+    StoreUnavailable: ("unavailable", _errno.EIO),
+    NoQuorum: ("noquorum", _errno.EIO),
+    PeerError: ("peer", _errno.EIO),
+    Conflict: ("conflict", _errno.EIO),
+    ProtocolError: ("protocol", _errno.EIO),
+    AuthError: ("auth", _errno.EIO),
+}
+for _cls, (_code, _no) in _TABLE.items():
+    _cls.code, _cls.errno = _code, _no
+_BY_CODE = {code: cls for cls, (code, _) in _TABLE.items()}
+
+
+def error_from_code(code: object, message: str) -> ObjcacheError:
+    """The exception a wire code stands for (an unknown code is a plain failure)."""
+    cls = _BY_CODE.get(code if isinstance(code, str) else "", ObjcacheError)
+    return cls(message)
 
 
 class UserError(Exception):
@@ -106,14 +149,14 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 def errno_of(exc: BaseException) -> int:
-    """The errno for a domain exception; OSError keeps its own; everything else is EIO."""
+    """The errno for a domain exception; a full disk is ENOSPC; everything else is EIO."""
     exc = unwrap(exc)
     if isinstance(exc, ObjcacheError):
         return exc.errno
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if isinstance(exc, OSError) and exc.errno in (_errno.ENOSPC, _errno.EDQUOT):
         # A full cache disk: the write was not acknowledged, so nothing is lost.
-        return errno.ENOSPC
-    return errno.EIO
+        return _errno.ENOSPC
+    return _errno.EIO
 
 
 @contextmanager

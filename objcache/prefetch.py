@@ -26,8 +26,9 @@ from objcache.errors import UserError
 
 BATCH_FILES = 256
 BATCH_BYTES = 64 << 20  # also the unit of resumption: an interrupted run loses at most this
-_ERRORS = {"NotFound": "no longer in S3", "StaleObject": "changed in S3 while prefetching "
-           "(run prefetch again)", "NoSpace": "", "StoreError": "", "StoreUnavailable": ""}
+# What a chunk's failure code (objcache.errors) means to the user; others show their text.
+_MEANING = {"notfound": "no longer in S3",
+            "stale": "changed in S3 while prefetching (run prefetch again)"}
 
 
 @dataclass
@@ -72,10 +73,9 @@ def expand(paths: list[str], manifest: str | None) -> list[str]:
 
 
 def _describe(error: str) -> str:
-    kind, _, text = error.partition(": ")
-    if kind in _ERRORS:
-        return _ERRORS[kind] or text
-    return error
+    """A chunk failure 'error:<code>:<text>' (objcache.cache.pins.failure) in words."""
+    _, code, text = error.split(":", 2) if error.count(":") >= 2 else ("", "", error)
+    return _MEANING.get(code, text)
 
 
 class Prefetcher:

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cluster import Cluster
-from tests.helpers.mount import Mount
+from tests.helpers.mount import Mount, stop_all
 from tests.helpers.s3proxy import CountingProxy
 from tests.helpers.seaweed import SeaweedFS
 
 _bucket_seq = itertools.count()
 
 
-def _fuse_available() -> bool:
+def fuse_available() -> bool:
     return os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
 
 
@@ -45,12 +45,11 @@ def bucket(seaweed: SeaweedFS, s3) -> str:  # type: ignore[no-untyped-def]
 @pytest.fixture
 def mounts(seaweed: SeaweedFS, tmp_path: Path) -> Iterator[list[Mount]]:
     """Mounts created by a test; all of them are torn down whatever happens."""
-    if not _fuse_available():
+    if not fuse_available():
         pytest.skip("needs /dev/fuse and fusermount3")
     made: list[Mount] = []
     yield made
-    for m in made:
-        m.stop()
+    stop_all(made)
 
 
 @pytest.fixture

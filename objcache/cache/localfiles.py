@@ -25,6 +25,7 @@ from objcache.errors import NoSpace
 
 if TYPE_CHECKING:
     from objcache.cache.chunks import ChunkCache
+    from objcache.cache.router import ChunkRouter
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +87,22 @@ class LocalFile:
 
 
 class LocalFiles:
-    def __init__(self, db: StateDB, root: Path, chunks: ChunkCache) -> None:
+    """Attributes:
+    space: the cache whose budget local files are charged to (and which may evict clean,
+        closed ones for room).
+    reader: reads base versions (through the cluster's owners when there is a cluster).
+    """
+
+    def __init__(self, db: StateDB, root: Path, space: ChunkCache,
+                 reader: ChunkRouter) -> None:
         self.db = db
         self.root = root / "local"
         self.root.mkdir(parents=True, exist_ok=True)
-        self.chunks = chunks
-        self.cs = chunks.chunk_size
+        self.space = space
+        self.reader = reader
+        self.cs = space.chunk_size
         self.by_key: dict[str, LocalFile] = {}
         self.changed = trio.Event()  # set when a file becomes dirty or closes (wakes flusher)
-        chunks.evict_local = self.evict_one
         self._charging: LocalFile | None = None
         self._load()
 
@@ -123,9 +131,11 @@ class LocalFiles:
             lf.dirty, lf.dirty_since, lf.etag = bool(dirty), dirty_since, etag
             lf.version = 1 if dirty else 0
             lf.charged = lf.size
-            self.chunks.local_bytes += lf.size
+            self.space.local_bytes += lf.size
             self.by_key[key] = lf
             known.add(str(fid))
+            if not lf.dirty:
+                self._offer(lf)
         for f in self.root.iterdir():
             if f.name not in known:
                 f.unlink()
@@ -159,13 +169,12 @@ class LocalFiles:
             lf.base_key, lf.base_etag, lf.base_size = base
             lf.base_limit = lf.size = base[2]
             os.ftruncate(fd, lf.size)
-            if not self.chunks.make_room(lf.size):
+            if not self.space.charge(lf.size):
                 os.close(fd)
                 os.unlink(lf.path)
                 self.db.execute("DELETE FROM files WHERE fid=?", (fid,))
                 raise NoSpace(key)
             lf.charged = lf.size
-            self.chunks.local_bytes += lf.size
         lf.fd = fd
         self._save(lf)
         self.by_key[key] = lf
@@ -189,12 +198,11 @@ class LocalFiles:
         if grow > 0:
             self._charging = lf  # never evict the file we are making room for
             try:
-                if not self.chunks.make_room(grow):
+                if not self.space.charge(grow):
                     raise NoSpace(lf.key)
             finally:
                 self._charging = None
             lf.charged += grow
-            self.chunks.local_bytes += grow
 
     # -- data -----------------------------------------------------------------------------
 
@@ -205,7 +213,7 @@ class LocalFiles:
         assert lf.base_key is not None and lf.base_etag is not None
         start = idx * self.cs
         n = min(self.cs, lf.base_limit - start)
-        data = await self.chunks.read(lf.base_key, lf.base_etag, lf.base_size, start, n)
+        data = await self.reader.read(lf.base_key, lf.base_etag, lf.base_size, start, n)
         if idx in lf.materialized or lf.removed:  # another writer got here first
             return
         os.pwrite(self._fd(lf), data, start)
@@ -215,9 +223,6 @@ class LocalFiles:
     async def materialize_all(self, lf: LocalFile) -> None:
         for idx in range((lf.base_limit + self.cs - 1) // self.cs):
             await self._materialize(lf, idx)
-
-    def fully_local(self, lf: LocalFile) -> bool:
-        return all(i in lf.materialized for i in range((lf.base_limit + self.cs - 1) // self.cs))
 
     def unshare(self, lf: LocalFile) -> None:
         """Give the file its own data file again (the old one is a sealed blob now)."""
@@ -287,7 +292,7 @@ class LocalFiles:
             else:
                 from_base = min(stop, lf.base_limit)
                 assert lf.base_key is not None and lf.base_etag is not None
-                parts.append(await self.chunks.read(lf.base_key, lf.base_etag, lf.base_size,
+                parts.append(await self.reader.read(lf.base_key, lf.base_etag, lf.base_size,
                                                     offset, from_base - offset))
                 if stop > from_base:  # past a truncation point inside this chunk: zeros
                     parts.append(bytes(stop - from_base))
@@ -298,10 +303,6 @@ class LocalFiles:
         """Journal size and attributes (close, chmod, ...)."""
         if not lf.removed:
             self._save(lf)
-
-    def fsync_data(self, lf: LocalFile) -> None:
-        if lf.fd >= 0:
-            os.fsync(lf.fd)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -316,8 +317,14 @@ class LocalFiles:
         lf.base_key, lf.base_etag, lf.base_size, lf.base_limit = None, None, 0, 0
         lf.materialized = set()
         self._save(lf)
+        if lf.opens == 0:
+            self._offer(lf)
 
     def rekey(self, lf: LocalFile, new_key: str) -> None:
+        """`lf` is now the file at `new_key` (a rename); what was there is replaced."""
+        displaced = self.by_key.get(new_key)
+        if displaced is not None and displaced is not lf:
+            self.remove(displaced)
         del self.by_key[lf.key]
         lf.key = new_key
         self.by_key[new_key] = lf
@@ -342,7 +349,7 @@ class LocalFiles:
             os.unlink(lf.path)
         except FileNotFoundError:
             pass
-        self.chunks.local_bytes -= lf.charged
+        self.space.release(lf.charged)
         lf.charged = 0
 
     def opened(self, lf: LocalFile, writable: bool) -> None:
@@ -357,22 +364,26 @@ class LocalFiles:
         if lf.opens == 0:
             if lf.removed:
                 self._drop_data(lf)
-            elif lf.fd >= 0:
-                os.close(lf.fd)
-                lf.fd = -1
+            else:
+                if lf.fd >= 0:
+                    os.close(lf.fd)
+                    lf.fd = -1
+                if not lf.dirty:
+                    self._offer(lf)
         self.changed.set()
 
-    def evict_one(self) -> int:
-        """Drop the least recently changed clean local file nobody has open."""
-        victims = [lf for lf in self.by_key.values()
-                   if not lf.dirty and lf.opens == 0 and not lf.lock.locked()
-                   and lf is not self._charging]
-        if not victims:
-            return 0
-        lf = min(victims, key=lambda f: f.last_change)
-        freed = lf.charged
-        self.remove(lf)
-        return freed
+    def _offer(self, lf: LocalFile) -> None:
+        """A clean file nobody has open is cached data: the cache may drop it for room."""
+
+        def free() -> int:
+            if (lf.removed or lf.dirty or lf.opens or lf.lock.locked()
+                    or lf is self._charging or self.by_key.get(lf.key) is not lf):
+                return 0  # in use again: offered anew when it is clean and closed
+            freed = lf.charged
+            self.remove(lf)
+            return freed
+
+        self.space.offer(lf, free)
 
     def dirty_files(self) -> Iterator[LocalFile]:
         return (lf for lf in self.by_key.values() if lf.dirty)

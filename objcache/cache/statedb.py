@@ -62,13 +62,6 @@ class StateDB:
         if row is None:
             self.conn.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
 
-    def get_meta(self, name: str) -> str | None:
-        row = self.conn.execute("SELECT value FROM meta WHERE name=?", (name,)).fetchone()
-        return None if row is None else str(row[0])
-
-    def set_meta(self, name: str, value: str) -> None:
-        self.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (name, value))
-
     def execute(self, sql: str, args: tuple[object, ...] = ()) -> sqlite3.Cursor:
         return self.conn.execute(sql, args)
 

@@ -28,7 +28,7 @@ import trio
 
 from objcache.cluster.peers import PeerPool
 from objcache.cluster.ring import Ring
-from objcache.errors import AuthError, PeerError, UserError
+from objcache.errors import AuthError, Conflict, PeerError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,18 @@ def parse_record(rec: Any) -> Member:
                   rec.get("raft", ""), rec.get("raft_n", 0))
 
 
+def _nobody(node: str) -> None:
+    pass
+
+
 class Membership:
+    """Attributes:
+    on_suspect: called with a node id when it stops answering (cancel what waits on it).
+    """
+
     def __init__(self, me: Member, seeds: list[str], pool: PeerPool, timeout: float,
-                 used: Callable[[], int]) -> None:
+                 used: Callable[[], int],
+                 on_suspect: Callable[[str], None] = _nobody) -> None:
         self.me = me
         self.seeds = [s for s in seeds if s != me.addr]
         self.pool = pool
@@ -84,7 +93,7 @@ class Membership:
         self.changes = 0
         self.joined_at = 0.0  # when we joined an existing cluster (0: we formed ours)
         self._without_me: tuple[Ring, Ring] | None = None
-        self.on_suspect: Callable[[str], None] = lambda node: None
+        self.on_suspect = on_suspect
 
     # -- placement ------------------------------------------------------------------------
 
@@ -217,7 +226,7 @@ class Membership:
             if (op == "join" and old is not None and old.state == ALIVE
                     and old.addr != rec.get("addr")
                     and time.monotonic() - old.last_ok < self.timeout):
-                return {"error": "conflict",
+                return {"error": Conflict.code,
                         "msg": f"node id {peer!r} is already used by the member at {old.addr}"}
             self._heard_from(rec)
             self._learn(msg.get("members", []))
@@ -273,7 +282,7 @@ class Membership:
                 raise UserError(f"cluster secret rejected by peer {addr}: every node needs "
                                 "the same --cluster-secret-file") from e
             except PeerError as e:
-                if getattr(e, "code", None) == "conflict":
+                if isinstance(e, Conflict):
                     raise UserError(f"cannot join through {addr}: {e}") from e
                 errors.append(str(e))
                 continue

@@ -18,7 +18,22 @@ from typing import Any
 import trio
 
 from objcache.cluster.wire import FrameStream, client_handshake, server_handshake
-from objcache.errors import NotFound, ObjcacheError, PeerError, ProtocolError, StaleObject
+from objcache.errors import (
+    Conflict,
+    Exists,
+    Invalid,
+    IsADirectory,
+    NameTooLong,
+    NotADirectory,
+    NotEmpty,
+    NotFound,
+    ObjcacheError,
+    PeerError,
+    ProtocolError,
+    ReadOnly,
+    StaleObject,
+    error_from_code,
+)
 from objcache.metrics import PEER_SECONDS
 
 log = logging.getLogger(__name__)
@@ -30,7 +45,36 @@ MAX_CONNECTIONS = 1024
 MAX_IDLE_PER_PEER = 16
 
 # A request handler gets (peer node id, message) and returns (reply, optional data).
-Handler = Callable[[str, dict[str, Any]], Awaitable[tuple[dict[str, Any], bytes | None]]]
+Reply = tuple[dict[str, Any], bytes | None]
+Handler = Callable[[str, dict[str, Any]], Awaitable[Reply]]
+
+
+def field_str(msg: dict[str, Any], name: str) -> str:
+    v = msg.get(name)
+    if not isinstance(v, str):
+        raise ProtocolError(f"request field {name!r} is not a string")
+    return v
+
+
+def field_int(msg: dict[str, Any], name: str, lo: int, hi: int) -> int:
+    v = msg.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ProtocolError(f"request field {name!r} is not an integer in [{lo}, {hi}]")
+    return v
+
+
+class Routes:
+    """Which handler serves which request op; built once, by whoever composes the node."""
+
+    def __init__(self, handlers: dict[str, Handler]) -> None:
+        self.handlers = handlers
+
+    async def __call__(self, peer: str, msg: dict[str, Any]) -> Reply:
+        op = msg.get("op")
+        handler = self.handlers.get(op) if isinstance(op, str) else None
+        if handler is None:
+            raise ProtocolError(f"unknown request {op!r:.50} from {peer}")
+        return await handler(peer, msg)
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -88,12 +132,11 @@ class PeerServer:
             raise
         except Exception as e:
             # A failure to serve one request (S3 down, a bug) is that request's error; the
-            # connection and the daemon carry on.
-            code = ("notfound" if isinstance(e, NotFound) else
-                    "stale" if isinstance(e, StaleObject) else "failed")
-            if code == "failed":
+            # connection and the daemon carry on. Domain errors keep their code.
+            if not isinstance(e, ObjcacheError) or e.errno == errno.EIO:
                 log.warning("peer request %r from %s failed: %s", msg.get("op"), node, e,
                             exc_info=not isinstance(e, ObjcacheError | OSError))
+            code = e.code if isinstance(e, ObjcacheError) else "failed"
             return {"error": code, "msg": str(e)}, None
 
 
@@ -201,15 +244,20 @@ class PeerPool:
             await self.forget(addr)
 
 
-def _remote_error(addr: str, reply: dict[str, Any]) -> Exception:
-    text = f"peer {addr}: {reply.get('msg') or reply.get('error')}"
-    code = reply.get("error")
-    if code == "notfound":
-        return NotFound(text)
-    if code == "stale":
-        return StaleObject(text)
-    err = PeerError(text)
-    err.code = code  # type: ignore[attr-defined]  # e.g. "conflict", for the caller to tell
+# Errors about what was asked (the caller sees them as if it had asked S3 itself); any other
+# failure to serve (S3 down, no room, a bug) is the peer's, and callers fall back.
+_ABOUT_THE_REQUEST = (NotFound, StaleObject, Exists, NotEmpty, IsADirectory, NotADirectory,
+                      Invalid, NameTooLong, ReadOnly, Conflict)
+
+
+def _remote_error(addr: str, reply: dict[str, Any]) -> ObjcacheError:
+    """The error a peer answered with (it is alive: `answered`)."""
+    err = error_from_code(reply.get("error"),
+                          f"peer {addr}: {reply.get('msg') or reply.get('error')}")
+    if not isinstance(err, _ABOUT_THE_REQUEST):
+        err = PeerError(str(err))
+    if isinstance(err, PeerError):
+        err.answered = True
     return err
 
 

@@ -1,8 +1,15 @@
-"""The filesystem core: namespace, attributes, open files, and the POSIX operations.
+"""The filesystem core: every POSIX operation, its checks, and the inode and handle tables.
 
-It knows nothing about FUSE (objcache.fs.operations adapts it), so tests drive it directly.
-Namespace changes (mkdir, unlink, rename, chmod, symlink) go to S3 at once; file data is
-written back later by objcache.core.writeback. All state is owned by the trio thread.
+It knows nothing about FUSE (objcache.fs.operations adapts it), so tests drive it
+directly. It shows S3 (listings and HEADs, cached for `--metadata-ttl`) with what its
+backend (objcache.backend) knows beyond S3 on top: entries of files and directories
+changed in a cluster and not written back yet, and this node's working copies of written
+files. Each operation runs its checks here once, then asks the backend to make the change
+real: S3 at once and the local journal on one node, a Raft transaction in a cluster.
+Changes made elsewhere (another node's, a finished upload) reach the inodes through
+`Backend.take_changes`, and the kernel is told to drop what it cached of them.
+
+All state is owned by the trio thread.
 """
 
 from __future__ import annotations
@@ -14,15 +21,15 @@ import stat
 import time
 from collections.abc import Iterable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from objcache import CTRL_NAME
-from objcache.cache.chunks import ChunkCache
+from objcache.backend.base import Backend, Change, Moved
 from objcache.cache.localfiles import LocalFile, LocalFiles
 from objcache.config import MountConfig
+from objcache.core.handles import EMPTY, BlobSource, FileHandle, ObjectSource, Source
 from objcache.core.inode import (
     CTRL_INO,
     DEFAULT_DIR_MODE,
@@ -32,10 +39,9 @@ from objcache.core.inode import (
     Attr,
     Inode,
     child_key,
-    make_meta,
     parent_key,
-    parse_meta,
 )
+from objcache.entries import Attrs, DirEntry, FileEntry, FlushScope, ObjectRef
 from objcache.errors import (
     Exists,
     Invalid,
@@ -48,29 +54,17 @@ from objcache.errors import (
     ReadOnly,
     first_error,
 )
+from objcache.store.meta import parse_meta
 
 if TYPE_CHECKING:
-    from objcache.core.writeback import Writeback
-    from objcache.store import ObjectInfo, ObjectStore
+    from objcache.cache.router import ChunkRouter
+    from objcache.store import ObjectInfo
 
 log = logging.getLogger(__name__)
 
 MAX_KEY_BYTES = 1024  # S3's limit on a key
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
-_COPY_PARALLEL = 16
-
-
-@dataclass(slots=True)
-class FileHandle:
-    inode: Inode
-    writable: bool
-    lf: LocalFile | None = None
-    etag: str | None = None  # the S3 version a read-only handle reads
-    size: int = 0
-    next_offset: int = -1  # where a sequential reader will read next (readahead)
-    entry: dict[str, Any] | None = None  # cluster: the namespace entry the handle reads
-
 
 RELIST_AFTER_STALE_LOOKUPS = 16
 # Directories the kernel forgot keep their listings while fewer inodes than this are known
@@ -85,6 +79,32 @@ META_PREFETCH_AFTER = 4
 META_PREFETCH = 16
 META_PREFETCH_WINDOW = 512  # entries ahead of the last one stat'ed
 META_READ_WINDOW = 64  # the same, in a directory whose files are being read
+
+
+class KernelNotifier(Protocol):
+    """What the FUSE layer does when something we told the kernel changed elsewhere."""
+
+    def entry(self, parent_ino: int, name: str) -> None: ...
+
+    def inode(self, ino: int) -> None: ...
+
+    def attrs_now(self, ino: int) -> None: ...
+
+
+class NoNotifier:
+    """No kernel to tell (the core driven without FUSE)."""
+
+    def entry(self, parent_ino: int, name: str) -> None:
+        pass
+
+    def inode(self, ino: int) -> None:
+        pass
+
+    def attrs_now(self, ino: int) -> None:
+        pass
+
+
+NO_NOTIFIER = NoNotifier()
 
 
 class _MetaPrefetch:
@@ -109,20 +129,45 @@ class _MetaPrefetch:
             self.moved = trio.Event()
 
 
+def _name(name: bytes | str) -> str:
+    if isinstance(name, bytes):
+        try:
+            name = name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise Invalid("file names must be UTF-8 (S3 keys are)") from None
+    if name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise Invalid(name)
+    return name
+
+
+def _valid_listed(name: str) -> bool:
+    return bool(name) and name not in (".", "..", CTRL_NAME) and "/" not in name
+
+
+def _new_attrs(cur: Attrs, mode: int | None, uid: int | None, gid: int | None,
+               mtime_ns: int | None) -> Attrs:
+    return Attrs(cur.mode if mode is None else stat.S_IFMT(cur.mode) | (mode & 0o7777),
+                 cur.uid if uid is None else uid, cur.gid if gid is None else gid,
+                 cur.mtime_ns if mtime_ns is None else mtime_ns)
+
+
 class Filesystem:
     """Attributes:
     inodes: ino -> Inode for everything the kernel or a listing may refer to.
     by_key: key -> ino (at most one live inode per key).
+    handles: fh -> FileHandle.
     """
 
-    def __init__(self, cfg: MountConfig, store: ObjectStore, chunks: ChunkCache,
-                 local: LocalFiles, uid: int | None = None, gid: int | None = None) -> None:
+    def __init__(self, cfg: MountConfig, backend: Backend, router: ChunkRouter,
+                 local: LocalFiles, notifier: KernelNotifier = NO_NOTIFIER) -> None:
         self.cfg = cfg
-        self.store = store
-        self.chunks = chunks
+        self.backend = backend
+        self.store = backend.store
+        self.router = router
         self.local = local
-        self.uid = os.getuid() if uid is None else uid
-        self.gid = os.getgid() if gid is None else gid
+        self.notify = notifier
+        # Objects without metadata belong to whoever runs the daemon.
+        self.uid, self.gid = os.getuid(), os.getgid()
         self.ttl = cfg.metadata_ttl
         self.readahead_chunks = max(1, cfg.readahead // cfg.chunk_size)
         self.inodes: dict[int, Inode] = {}
@@ -143,12 +188,15 @@ class Filesystem:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
-        """Own the nursery of background metadata prefetches."""
+        """Own the nursery of background metadata prefetches, and apply what the backend
+        reports changed."""
         async with trio.open_nursery() as nursery:
             self._background = nursery
             task_status.started()
             try:
-                await trio.sleep_forever()
+                while True:
+                    await self.backend.wait_changes()
+                    self._apply_changes(self.backend.take_changes())
             finally:
                 self._background = None
 
@@ -187,6 +235,10 @@ class Filesystem:
             raise NotADirectory(inode.key)
         return inode
 
+    def _by_key(self, key: str) -> Inode | None:
+        ino = self.by_key.get(key)
+        return self.inodes.get(ino) if ino is not None else None
+
     def forget(self, items: Iterable[tuple[int, int]]) -> None:
         for ino, n in items:
             inode = self.inodes.get(ino)
@@ -203,30 +255,20 @@ class Filesystem:
                     and len(self.inodes) < MAX_KEPT_INODES)
             if inode.lookups > 0 or still_listed or kept:
                 continue
-            if self.by_key.get(inode.key) == ino:
+            if any(h.inode is inode for h in self.handles.values()):
+                continue  # an open handle still refers to it (fstat after unlink)
+            if named:
                 del self.by_key[inode.key]
             del self.inodes[ino]
 
     def _parent_of(self, key: str) -> Inode | None:
         """The inode of `key`'s directory, if we know one."""
-        pino = self.by_key.get(parent_key(key))
-        return self.inodes.get(pino) if pino is not None else None
+        return self._by_key(parent_key(key))
 
     def _listed_in_parent(self, inode: Inode) -> bool:
         parent = self._parent_of(inode.key)
         return bool(parent and parent.children is not None
                     and parent.children.get(inode.key.rpartition("/")[2]) == inode.ino)
-
-    @staticmethod
-    def _name(name: bytes | str) -> str:
-        if isinstance(name, bytes):
-            try:
-                name = name.decode("utf-8")
-            except UnicodeDecodeError:
-                raise Invalid("file names must be UTF-8 (S3 keys are)") from None
-        if name in ("", ".", "..") or "/" in name or "\0" in name:
-            raise Invalid(name)
-        return name
 
     def _key(self, parent: Inode, name: str) -> str:
         key = child_key(parent.key, name)
@@ -238,31 +280,88 @@ class Filesystem:
         if self.cfg.read_only:
             raise ReadOnly("mounted read-only")
 
+    def _forget_child(self, inode: Inode) -> None:
+        parent = self._parent_of(inode.key)
+        if parent is not None and parent.children is not None:
+            parent.children.pop(inode.key.rpartition("/")[2], None)
+        self._detach(inode)
+
+    def _add_child(self, parent: Inode, name: str, inode: Inode) -> None:
+        if parent.children is not None:
+            parent.children[name] = inode.ino
+        parent.mtime_ns = time.time_ns()
+
     # -- attributes -----------------------------------------------------------------------
 
-    def attr(self, inode: Inode) -> Attr:
-        lf = self.local.by_key.get(inode.key) if not inode.is_dir else None
-        if lf is not None:
-            return Attr(inode.ino, lf.mode, lf.size, lf.uid, lf.gid, lf.mtime_ns, self.ttl)
-        # Entries whose metadata only came from a LIST get no kernel caching, so that the
-        # next stat asks us and we HEAD the object (its mode may even say symlink).
-        timeout = self.ttl if inode.meta_loaded or inode.is_dir else 0.0
-        return Attr(inode.ino, inode.mode, inode.size, inode.uid, inode.gid, inode.mtime_ns,
-                    timeout)
-
-    def _detached_attr(self, inode: Inode) -> Attr:
-        """An unlinked file that is still open (fstat on its handle): its last attributes."""
+    def _working_copy_of(self, inode: Inode) -> LocalFile | None:
+        """This node's working copy of the file: by its key, or (unlinked while open)
+        the one its open handles write."""
+        if inode.is_dir:
+            return None
+        if not inode.detached:
+            return self.local.by_key.get(inode.key)
         for h in self.handles.values():
             if h.inode is inode and h.lf is not None:
-                lf = h.lf
-                return Attr(inode.ino, lf.mode, lf.size, lf.uid, lf.gid, lf.mtime_ns, 0.0)
-        if not any(h.inode is inode for h in self.handles.values()):
-            raise NotFound(inode.key)
+                return h.lf
+        return None
+
+    def attr(self, inode: Inode) -> Attr:
+        nlink = 0 if inode.detached else 2 if inode.is_dir else 1
+        lf = self._working_copy_of(inode)
+        if lf is not None:
+            timeout = 0.0 if inode.detached else self.ttl
+            return Attr(inode.ino, lf.mode, lf.size, lf.uid, lf.gid, lf.mtime_ns, timeout,
+                        nlink)
+        # Entries whose metadata only came from a LIST get no kernel caching, so that the
+        # next stat asks us and we HEAD the object (its mode may even say symlink).
+        timeout = (self.ttl if (inode.meta_loaded or inode.is_dir) and not inode.detached
+                   else 0.0)
         return Attr(inode.ino, inode.mode, inode.size, inode.uid, inode.gid, inode.mtime_ns,
-                    0.0)
+                    timeout, nlink)
 
     def ctrl_attr(self) -> Attr:
         return Attr(CTRL_INO, stat.S_IFREG | 0o666, 0, 0, 0, self.mount_time_ns, 0.0)
+
+    def _show(self, inode: Inode, e: FileEntry | DirEntry) -> None:
+        """Show the backend's entry `e` (of the inode's type) on `inode`."""
+        if isinstance(e, FileEntry):
+            old = inode.overlay
+            if not isinstance(old, FileEntry) or old.content != e.content:
+                inode.content_gen += 1
+                inode.target = e.target
+            inode.size = e.size
+        inode.set_attrs(e.attrs)
+        inode.meta_loaded = True
+        inode.checked = time.monotonic()
+        inode.overlay = e
+
+    def _show_own(self, inode: Inode, e: FileEntry) -> None:
+        """Our own change committed as `e`: the kernel's pages of it are current."""
+        if not inode.detached:
+            self._show(inode, e)
+            inode.kernel_gen = inode.content_gen
+
+    def _stored_in_s3(self, inode: Inode, ref: ObjectRef, attrs: Attrs | None) -> None:
+        """S3 now holds the inode's content as `ref` (an upload, a metadata copy)."""
+        if not inode.is_dir:
+            inode.etag, inode.size = ref.etag, ref.size
+        inode.in_s3 = True
+        inode.overlay = None
+        if attrs is not None:
+            inode.set_attrs(attrs)
+            inode.meta_loaded = True
+        inode.checked = time.monotonic()
+
+    def _inode_for(self, key: str, e: FileEntry | DirEntry | None, is_dir: bool) -> Inode:
+        """The inode naming `key`, made or re-typed as needed, showing entry `e`."""
+        inode = self._by_key(key)
+        mode = (e.attrs.mode if e is not None else DEFAULT_DIR_MODE if is_dir
+                else DEFAULT_FILE_MODE)
+        if inode is None or stat.S_IFMT(inode.mode) != stat.S_IFMT(mode):
+            inode = self._new_inode(key, mode)
+        if e is not None:
+            self._show(inode, e)
+        return inode
 
     def _apply_info(self, inode: Inode, info: ObjectInfo) -> Inode:
         """Update a file inode from S3's view; returns the inode now naming the key (a new
@@ -271,17 +370,17 @@ class Filesystem:
             inode.content_gen += 1
             inode.meta_loaded = False
             inode.target = None
-            self.chunks.drop_object(inode.key, keep_etag=info.etag)
+            self.router.drop_object(inode.key, keep_etag=info.etag)
         if info.metadata is not None:
-            mode, uid, gid, mtime_ns = parse_meta(info.metadata, DEFAULT_FILE_MODE, self.uid,
-                                                  self.gid, info.mtime_ns)
-            if stat.S_IFMT(mode) not in (stat.S_IFREG, stat.S_IFLNK):
-                mode = DEFAULT_FILE_MODE | (mode & 0o7777)
-            if stat.S_IFMT(mode) != stat.S_IFMT(inode.mode):
-                new = self._new_inode(inode.key, mode)
-                self._replace_child(inode, new)
+            a = parse_meta(info.metadata, DEFAULT_FILE_MODE, self.uid, self.gid,
+                           info.mtime_ns)
+            if stat.S_IFMT(a.mode) not in (stat.S_IFREG, stat.S_IFLNK):
+                a = Attrs(DEFAULT_FILE_MODE | (a.mode & 0o7777), a.uid, a.gid, a.mtime_ns)
+            if stat.S_IFMT(a.mode) != stat.S_IFMT(inode.mode):
+                new = self._new_inode(inode.key, a.mode)
+                self._replace_child(new)
                 inode = new
-            inode.mode, inode.uid, inode.gid, inode.mtime_ns = mode, uid, gid, mtime_ns
+            inode.set_attrs(a)
             inode.meta_loaded = True
         elif not inode.meta_loaded:
             inode.mtime_ns = info.mtime_ns
@@ -291,10 +390,12 @@ class Filesystem:
         inode.checked = time.monotonic()
         return inode
 
-    def _replace_child(self, old: Inode, new: Inode) -> None:
+    def _replace_child(self, new: Inode) -> None:
         parent = self._parent_of(new.key)
         if parent is not None and parent.children is not None:
             parent.children[new.key.rpartition("/")[2]] = new.ino
+
+    # -- what S3 says ---------------------------------------------------------------------
 
     async def _head(self, key: str) -> tuple[ObjectInfo | None, bool]:
         """(the object at `key`, whether `key/` is a directory), asked in parallel."""
@@ -316,7 +417,13 @@ class Filesystem:
         return info, is_dir
 
     async def _revalidate(self, inode: Inode) -> Inode:
-        """HEAD a file inode (coalescing concurrent callers); NotFound if it is gone."""
+        """Bring a file inode up to date (its entry, or a HEAD coalesced with concurrent
+        callers); NotFound if it is gone."""
+        e = self.backend.entry(inode.key)
+        if isinstance(e, FileEntry):
+            self._show(inode, e)
+            return inode
+        inode.overlay = None
         key = inode.key
         ev = self._head_inflight.get(key)
         if ev is not None:
@@ -333,20 +440,20 @@ class Filesystem:
             finally:
                 del self._head_inflight[key]
                 ev.set()
-        ino = self.by_key.get(key)
-        if ino is None:
+        fresh = self._by_key(key)
+        if fresh is None:
             raise NotFound(key)
-        return self.inodes[ino]
+        return fresh
 
     async def _head_file(self, inode: Inode) -> ObjectInfo | None:
         parent = self._parent_of(inode.key)
         if (not inode.meta_loaded and inode.etag is not None and parent is not None
                 and parent.read_children
-                and self.chunks.fetches_whole(inode.key, inode.size, inode.etag)):
+                and self.router.fetches_whole(inode.key, inode.size, inode.etag)):
             # Known only from a LIST, in a directory whose files are being read (not
             # just stat'ed, like `ls -l`): a small one is fetched whole by the same
             # request that tells its metadata.
-            return await self.chunks.head_by_get(self.store, inode.key, inode.size)
+            return await self.router.head_by_get(self.store, inode.key, inode.size)
         return await self.store.head(inode.key)
 
     def _listed_file_stat(self, inode: Inode) -> None:
@@ -404,24 +511,40 @@ class Filesystem:
         if pf is not None:
             pf.saw(name)
 
-    def _forget_child(self, inode: Inode) -> None:
-        parent = self._parent_of(inode.key)
-        if parent is not None and parent.children is not None:
-            parent.children.pop(inode.key.rpartition("/")[2], None)
-        self._detach(inode)
-
     def _fresh(self, t: float) -> bool:
         return time.monotonic() - t < self.ttl
+
+    def _pending_child(self, key: str) -> Inode | None:
+        """The inode for `key` if the backend has an entry for it (or below it)."""
+        e = self.backend.entry(key)
+        if isinstance(e, FileEntry):
+            return self._inode_for(key, e, False)
+        d = self.backend.entry(key + "/")
+        if isinstance(d, DirEntry) or self.backend.live_under(key + "/"):
+            return self._inode_for(key, d if isinstance(d, DirEntry) else None, True)
+        return None
 
     async def _resolve(self, parent: Inode, name: str) -> Inode:
         """The child `name` of `parent`, asking S3 when our knowledge is stale."""
         key = self._key(parent, name)
+        pending = self._pending_child(key)
+        if pending is not None:
+            if parent.children is not None:
+                parent.children[name] = pending.ino
+            return pending
         if self._meta_prefetching:
             self._stat_seen(parent, name)
         ino = parent.children.get(name) if parent.children is not None else None
         if ino is None:
             ino = self.by_key.get(key)
         inode = self.inodes.get(ino) if ino is not None else None
+        if inode is not None and inode.overlay is not None:
+            # It was an entry a moment ago (now written back, or gone): ask S3 afresh.
+            inode.overlay = None
+            inode.meta_loaded = False
+            if inode.is_dir:
+                self._forget_child(inode)
+                inode = None
         if inode is not None:
             if inode.is_dir or key in self.local.by_key:
                 return inode
@@ -456,9 +579,9 @@ class Filesystem:
         else:
             parent.stale_lookups += 1
             info, is_dir = await self._head(key)
-            ino = self.by_key.get(key)  # someone else may have created it meanwhile
-            if ino is not None:
-                return self.inodes[ino]
+            found = self._by_key(key)  # someone else may have created it meanwhile
+            if found is not None:
+                return found
             if is_dir:
                 inode = self._new_inode(key, DEFAULT_DIR_MODE)
                 inode.in_s3 = True
@@ -484,12 +607,25 @@ class Filesystem:
             del self._list_inflight[d.ino]
             ev.set()
 
+    async def sync(self) -> bool:
+        """Catch up with changes committed elsewhere before this call (a read barrier in a
+        cluster); False if nothing can have changed (one node)."""
+        changed = await self.backend.sync()
+        self._apply_changes(self.backend.take_changes())
+        return changed
+
     async def lookup(self, parent_ino: int, name: bytes | str) -> Attr:
         parent = self._dir(parent_ino)
-        name = self._name(name)
+        name = _name(name)
         if name == CTRL_NAME:
             return self.ctrl_attr()
-        inode = await self._resolve(parent, name)
+        try:
+            inode = await self._resolve(parent, name)
+        except NotFound:
+            # Maybe another node created it an instant ago: catch up once.
+            if not await self.sync():
+                raise
+            inode = await self._resolve(parent, name)
         inode.lookups += 1
         return self.attr(inode)
 
@@ -497,10 +633,13 @@ class Filesystem:
         if ino == CTRL_INO:
             return self.ctrl_attr()
         inode = self.inode(ino)
+        if inode.detached:
+            if self._working_copy_of(inode) is None and not any(
+                    h.inode is inode for h in self.handles.values()):
+                raise NotFound(inode.key)
+            return self.attr(inode)
         if (not inode.is_dir and inode.key not in self.local.by_key
                 and not (inode.meta_loaded and self._fresh(inode.checked))):
-            if inode.key.startswith("\0"):
-                return self._detached_attr(inode)
             if not inode.meta_loaded:
                 self._listed_file_stat(inode)
             fresh = await self._revalidate(inode)
@@ -522,17 +661,16 @@ class Filesystem:
                 name = o.key[len(prefix):]
                 if not name:
                     d.in_s3 = True  # the directory's own marker
-                elif self._valid_listed(name) and name not in found:
+                elif _valid_listed(name) and name not in found:
                     found[name] = o
             for p in page.prefixes:
                 name = p[len(prefix):-1]
-                if self._valid_listed(name):
+                if _valid_listed(name):
                     found[name] = None  # a directory wins over a same-named object
         children: dict[str, int] = {}
         for name, info in found.items():
             key = prefix + name
-            ino = self.by_key.get(key)
-            inode = self.inodes.get(ino) if ino is not None else None
+            inode = self._by_key(key)
             if info is None:
                 if inode is None or not inode.is_dir:
                     inode = self._new_inode(key, DEFAULT_DIR_MODE)
@@ -559,21 +697,35 @@ class Filesystem:
         return children
 
     def _merge_unlisted(self, d: Inode, children: dict[str, int]) -> None:
-        """Add to a fresh listing what S3 does not show yet: files written here."""
+        """Add to a fresh listing what S3 does not show yet: working copies on this node
+        and the backend's entries."""
         for key in self.local.by_key:
             if parent_key(key) == d.key and key.rpartition("/")[2] not in children:
-                ino = self.by_key.get(key)
-                inode = self.inodes[ino] if ino is not None else self._new_inode(
-                    key, DEFAULT_FILE_MODE)
+                inode = self._by_key(key) or self._new_inode(key, DEFAULT_FILE_MODE)
                 children[key.rpartition("/")[2]] = inode.ino
-
-    @staticmethod
-    def _valid_listed(name: str) -> bool:
-        return bool(name) and name not in (".", "..", CTRL_NAME) and "/" not in name
+        prefix = f"{d.key}/" if d.key else ""
+        for k, e in self.backend.entries_under(prefix):
+            rest = k[len(prefix):]
+            if not rest:
+                continue
+            name, sep, _ = rest.partition("/")
+            if not _valid_listed(name):
+                continue
+            key = prefix + name
+            if sep:
+                exact = e if rest == name + "/" and isinstance(e, DirEntry) else None
+                inode = self.inodes.get(children.get(name, -1))
+                if inode is None or not inode.is_dir or exact is not None:
+                    inode = self._inode_for(key, exact, True)
+            else:
+                assert isinstance(e, FileEntry)
+                inode = self._inode_for(key, e, False)
+            children[name] = inode.ino
 
     async def readdir(self, ino: int) -> list[tuple[str, Attr]]:
         """A snapshot of the directory, sorted by name (the handle pages through it)."""
         d = self._dir(ino)
+        await self.sync()  # a listing shows every change committed before it
         children = await self._list(d)
         out = []
         for name in sorted(children):
@@ -588,46 +740,37 @@ class Filesystem:
         if inode is not None:
             inode.lookups += 1
 
+    async def _free_name(self, parent_ino: int, name: bytes | str) -> tuple[Inode, str, str]:
+        """(parent, name, key) for a new entry; EEXIST if the name is taken."""
+        self._writable()
+        parent = self._dir(parent_ino)
+        name = _name(name)
+        key = self._key(parent, name)
+        try:
+            await self._resolve(parent, name)
+        except NotFound:
+            return parent, name, key
+        raise Exists(name)
+
     async def mkdir(self, parent_ino: int, name: bytes | str, mode: int, uid: int,
                     gid: int) -> Attr:
         parent, name, key = await self._free_name(parent_ino, name)
-        now = time.time_ns()
-        mode = stat.S_IFDIR | (mode & 0o7777)
-        await self.store.put_bytes(key + "/", b"", make_meta(mode, uid, gid, now))
-        inode = self._new_inode(key, mode)
-        inode.uid, inode.gid, inode.mtime_ns = uid, gid, now
-        inode.in_s3 = True
+        attrs = Attrs(stat.S_IFDIR | (mode & 0o7777), uid, gid, time.time_ns())
+        e = await self.backend.mkdir(key, attrs)
+        inode = self._inode_for(key, e, True)
+        inode.set_attrs(attrs)
+        inode.in_s3 = e is None
         inode.children = {}
         inode.listed = time.monotonic()
         inode.lookups += 1
         self._add_child(parent, name, inode)
         return self.attr(inode)
 
-    def _add_child(self, parent: Inode, name: str, inode: Inode) -> None:
-        if parent.children is not None:
-            parent.children[name] = inode.ino
-        parent.mtime_ns = time.time_ns()
-
-    async def _free_name(self, parent_ino: int, name: bytes | str) -> tuple[Inode, str, str]:
-        """(parent, name, key) for a new entry; EEXIST if the name is taken."""
-        self._writable()
-        parent = self._dir(parent_ino)
-        name = self._name(name)
-        await self._must_not_exist(parent, name)
-        return parent, name, self._key(parent, name)
-
-    async def _must_not_exist(self, parent: Inode, name: str) -> None:
-        try:
-            await self._resolve(parent, name)
-        except NotFound:
-            return
-        raise Exists(name)
-
     async def _empty_dir(self, parent_ino: int, name: bytes | str) -> tuple[Inode, Inode]:
         """rmdir's checks: (the parent, the directory named), which must be empty."""
         self._writable()
         parent = self._dir(parent_ino)
-        inode = await self._resolve(parent, self._name(name))
+        inode = await self._resolve(parent, _name(name))
         if not inode.is_dir:
             raise NotADirectory(inode.key)
         if await self._list(inode, force=True):
@@ -636,22 +779,11 @@ class Filesystem:
 
     async def rmdir(self, parent_ino: int, name: bytes | str) -> None:
         parent, inode = await self._empty_dir(parent_ino, name)
-        await self.store.delete(inode.key + "/")
+        await self.backend.rmdir(inode.key, inode.in_s3)
         self._forget_child(inode)
         parent.mtime_ns = time.time_ns()
 
     # -- files ----------------------------------------------------------------------------
-
-    def _make_local(self, inode: Inode) -> LocalFile:
-        """The local file standing in for `inode` (created without copying any bytes)."""
-        lf = self.local.by_key.get(inode.key)
-        if lf is not None:
-            return lf
-        base = None
-        if inode.in_s3 and inode.size > 0 and inode.etag:
-            base = (inode.key, inode.etag, inode.size)
-        return self.local.create(inode.key, inode.mode, inode.uid, inode.gid, inode.mtime_ns,
-                                 base=base, etag=inode.etag if inode.in_s3 else None)
 
     def _new_handle(self, fh: FileHandle) -> int:
         n = self._next_fh
@@ -665,6 +797,50 @@ class Filesystem:
         except KeyError:
             raise Invalid(f"bad file handle {fh}") from None
 
+    def _source(self, inode: Inode) -> Source:
+        """Where the inode's current content is read from (see objcache.core.handles)."""
+        e = inode.overlay
+        if isinstance(e, FileEntry):
+            if e.cid:
+                return BlobSource(self.backend, e, inode, self.router)
+            if e.base and e.size:
+                return ObjectSource(self.router, ObjectRef(e.base.key, e.base.etag,
+                                                           min(e.size, e.base.size)),
+                                    self.readahead_chunks)
+            return EMPTY
+        if inode.etag is None:
+            return EMPTY
+        return ObjectSource(self.router, ObjectRef(inode.key, inode.etag, inode.size),
+                            self.readahead_chunks)
+
+    async def _working_copy(self, inode: Inode, empty: bool = False) -> LocalFile:
+        """The working copy of `inode` on this node, made if needed from its current
+        content (none of it if `empty`): S3 versions lazily (chunks are copied as they
+        are written), a blob whole."""
+        lf = self._working_copy_of(inode)
+        if lf is not None:
+            return lf
+        e = inode.overlay
+        if isinstance(e, FileEntry):
+            a = e.attrs
+            if e.base and not empty:
+                return self.local.create(inode.key, a.mode, a.uid, a.gid, a.mtime_ns,
+                                         base=(e.base.key, e.base.etag, e.base.size))
+            lf = self.local.create(inode.key, a.mode, a.uid, a.gid, a.mtime_ns)
+            if e.cid and e.size and not empty:
+                entry = e
+
+                async def piece(off: int, n: int) -> bytes:
+                    return await self.backend.read_blob(entry, off, n)
+
+                await self.local.fill(lf, e.size, piece)
+            return lf
+        base = None
+        if inode.in_s3 and inode.size > 0 and inode.etag and not empty:
+            base = (inode.key, inode.etag, inode.size)
+        return self.local.create(inode.key, inode.mode, inode.uid, inode.gid, inode.mtime_ns,
+                                 base=base, etag=inode.etag if inode.in_s3 else None)
+
     async def open(self, ino: int, flags: int) -> tuple[int, bool]:
         """Returns (file handle, whether the kernel may keep its cached pages)."""
         inode = self.inode(ino)
@@ -673,24 +849,32 @@ class Filesystem:
         writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
         if writable:
             self._writable()
+        await self.sync()  # close-to-open: every close committed anywhere before this
         lf = self.local.by_key.get(inode.key)
         parent = self._parent_of(inode.key)
         if parent is not None:
             parent.read_children += 1  # see _head_file
-        if lf is None and not (inode.meta_loaded and self._fresh(inode.checked)):
-            # Close-to-open against S3: an open after the TTL sees a changed object.
+        e = self.backend.entry(inode.key)
+        if isinstance(e, FileEntry):
+            self._show(inode, e)
+        elif lf is None and (inode.overlay is not None
+                             or not (inode.meta_loaded and self._fresh(inode.checked))):
+            # Written back or removed since we showed an entry, or stale: close-to-open
+            # against S3, so an open after the TTL sees a changed object.
             fresh = await self._revalidate(inode)
             if fresh.ino != inode.ino:
                 raise NotFound(inode.key)
             lf = self.local.by_key.get(inode.key)
         if writable and flags & os.O_TRUNC:
-            lf = self._make_local(inode)
-            if lf.size:
-                await self.local.truncate(lf, 0)
-        fh = FileHandle(inode, writable, lf, inode.etag, inode.size)
+            # O_TRUNC changes the file (and its mtime) even when it is empty already.
+            lf = lf or await self._working_copy(inode, empty=True)
+            await self.local.truncate(lf, 0)
+        fh = FileHandle(inode, writable, self._source(inode), lf)
         if lf is not None:
             self.local.opened(lf, writable)
         keep = inode.kernel_gen == inode.content_gen
+        if not keep:
+            self.notify.attrs_now(inode.ino)  # the kernel's size may be an old version's
         inode.kernel_gen = inode.content_gen
         return self._new_handle(fh), keep
 
@@ -698,85 +882,80 @@ class Filesystem:
                      uid: int, gid: int) -> tuple[int, Attr]:
         self._writable()
         parent = self._dir(parent_ino)
-        name = self._name(name)
+        name = _name(name)
         key = self._key(parent, name)
-        existing = self.local.by_key.get(key)
-        if existing is not None:
-            self.local.remove(existing)
-        now = time.time_ns()
-        lf = self.local.create(key, stat.S_IFREG | (mode & 0o7777), uid, gid, now)
-        self.local.mark_dirty(lf)  # even an empty new file must reach S3
-        inode = self._new_inode(key, lf.mode)
-        inode.uid, inode.gid, inode.mtime_ns, inode.meta_loaded = uid, gid, now, True
+        attrs = Attrs(stat.S_IFREG | (mode & 0o7777), uid, gid, time.time_ns())
+        e = await self.backend.create(key, attrs, excl=bool(flags & os.O_EXCL))
+        old = self.local.by_key.get(key)
+        if old is not None:
+            self.local.remove(old)
+        lf = self.local.create(key, attrs.mode, uid, gid, attrs.mtime_ns)
+        if e is None:
+            self.local.mark_dirty(lf)  # the working copy is the only record: it must upload
+        inode = self._inode_for(key, e, False)
+        inode.set_attrs(attrs)
+        inode.meta_loaded = True
         inode.lookups += 1
         inode.kernel_gen = inode.content_gen
         self._add_child(parent, name, inode)
         self.local.opened(lf, True)
-        fh = self._new_handle(FileHandle(inode, True, lf))
+        fh = self._new_handle(FileHandle(inode, True, EMPTY, lf))
         return fh, self.attr(inode)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         h = self.handle(fh)
-        lf = h.lf or self.local.by_key.get(h.inode.key)
+        lf = h.lf or self._working_copy_of(h.inode)  # written on this node: read that
         if lf is not None:
             return await self.local.read(lf, offset, size)
-        if h.etag is None or offset >= h.size:
-            return b""
-        return await self._read_object(h, h.inode.key, h.etag, h.size, offset, size)
-
-    async def _read_object(self, h: FileHandle, key: str, etag: str, obj_size: int,
-                           offset: int, size: int) -> bytes:
-        """Read an S3 object version through the chunk cache, with readahead."""
-        if offset == h.next_offset or offset == 0:
-            # Sequential: start the next chunks before waiting for this one, so a cold
-            # reader has the whole readahead window in flight from its first read.
-            cs = self.chunks.chunk_size
-            self.chunks.readahead(key, etag, obj_size, offset // cs + 1,
-                                  self.readahead_chunks)
-        data = await self.chunks.read(key, etag, obj_size, offset, size)
-        h.next_offset = offset + len(data)
-        return data
+        return await h.source.read(offset, size)
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         h = self.handle(fh)
         if not h.writable:
             raise Invalid("handle not open for writing")
         if h.lf is None:
-            h.lf = self._make_local(h.inode)
+            h.lf = await self._working_copy(h.inode)
             self.local.opened(h.lf, True)
         return await self.local.write(h.lf, offset, data)
 
     async def flush(self, fh: int) -> None:
-        """close(): journal size and mtime so a crash after close() loses nothing."""
+        """close(): what the handle wrote becomes durable (the close-to-open point)."""
         h = self.handle(fh)
-        if h.lf is not None and h.lf.dirty:
-            self.local.save(h.lf)
-            self.local.changed.set()
+        if h.lf is not None and h.lf.dirty and not h.lf.removed:
+            e = await self.backend.close(h.inode.key, h.lf)
+            if e is not None:
+                self._show_own(h.inode, e)
+
+    async def fsync(self, fh: int) -> None:
+        h = self.handle(fh)
+        lf = h.lf or self._working_copy_of(h.inode)
+        if lf is None or not lf.dirty or lf.removed:
+            return
+        got = await self.backend.fsync(h.inode.key, lf)
+        if isinstance(got, FileEntry):
+            self._show_own(h.inode, got)
+        elif isinstance(got, ObjectRef) and not h.inode.detached:
+            self._stored_in_s3(h.inode, got, Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns))
 
     async def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)
-        if h is not None and h.lf is not None:
-            self.local.closed(h.lf, h.writable)
-
-    async def fsync(self, fh: int, writeback: Writeback) -> None:
-        """Upload the file before returning."""
-        h = self.handle(fh)
-        lf = h.lf or self.local.by_key.get(h.inode.key)
-        if lf is not None and lf.dirty:
-            self.local.save(lf)
-            await writeback.upload(lf, raise_errors=True)
-            self.uploaded(lf)
-
-    def uploaded(self, lf: LocalFile) -> None:
-        """Bring the inode in line with a just-uploaded local file."""
-        ino = self.by_key.get(lf.key)
-        if ino is not None and not lf.dirty and lf.etag:
-            inode = self.inodes[ino]
-            inode.etag, inode.size, inode.in_s3 = lf.etag, lf.size, True
-            inode.mode, inode.uid, inode.gid, inode.mtime_ns = lf.mode, lf.uid, lf.gid, \
-                lf.mtime_ns
-            inode.meta_loaded = True
-            inode.checked = time.monotonic()
+        if h is None or h.lf is None:
+            return
+        lf = h.lf
+        if h.writable and lf.dirty and not lf.removed:
+            # Written after the last flush (a dup'ed descriptor, mmap write-back).
+            try:
+                e = await self.backend.close(h.inode.key, lf)
+                if e is not None:
+                    self._show_own(h.inode, e)
+            except ObjcacheError as ex:
+                log.error("could not make %r durable at its last close: %s", lf.key, ex)
+        self.local.closed(lf, h.writable)
+        if lf.opens == 0:
+            self.backend.released(lf)
+        if h.inode.detached and h.inode.lookups <= 0 and not any(
+                x.inode is h.inode for x in self.handles.values()):
+            self.inodes.pop(h.inode.ino, None)
 
     async def setattr(self, ino: int, size: int | None = None, mode: int | None = None,
                       uid: int | None = None, gid: int | None = None,
@@ -785,70 +964,94 @@ class Filesystem:
             return self.ctrl_attr()
         self._writable()
         inode = self.inode(ino)
-        lf = self.local.by_key.get(inode.key) if not inode.is_dir else None
-        if size is not None:
-            if inode.is_dir:
+        if inode.is_dir:
+            if size is not None:
                 raise IsADirectory(inode.key)
-            lf = lf or self._make_local(inode)
-            await self.local.truncate(lf, size)
-        if mode is None and uid is None and gid is None and mtime_ns is None:
+            new = _new_attrs(inode.attrs, mode, uid, gid, mtime_ns)
+            if new != inode.attrs:
+                e = await self.backend.set_dir_attrs(inode.key, new) if inode.key else None
+                if e is not None:
+                    self._show(inode, e)
+                inode.set_attrs(new)
+                inode.meta_loaded = True
+                inode.checked = time.monotonic()
             return self.attr(inode)
-        cur = (lf.mode, lf.uid, lf.gid, lf.mtime_ns) if lf else (inode.mode, inode.uid,
-                                                                  inode.gid, inode.mtime_ns)
-        new_mode = cur[0] if mode is None else (stat.S_IFMT(cur[0]) | (mode & 0o7777))
-        new = (new_mode, cur[1] if uid is None else uid, cur[2] if gid is None else gid,
-               cur[3] if mtime_ns is None else mtime_ns)
+        h = self.handles.get(fh) if fh is not None else None
+        lf = (h.lf if h is not None else None) or self._working_copy_of(inode)
+        if size is not None:
+            if lf is None:
+                if inode.detached:
+                    raise NotFound(f"{inode.key}: removed before it was written here")
+                lf = await self._working_copy(inode)
+            if h is not None and h.writable and h.lf is None:
+                h.lf = lf  # ftruncate: what it did is committed at the handle's close
+                self.local.opened(lf, True)
+            await self.local.truncate(lf, size)  # mtime = now (POSIX: a size change)
         if lf is not None:
-            lf.mode, lf.uid, lf.gid, lf.mtime_ns = new
-            if lf.dirty:
-                self.local.save(lf)
-            else:
-                # Clean copy of an S3 object: rewrite its metadata server-side.
-                async with lf.lock:
-                    etag = await self.store.copy(lf.key, lf.key, make_meta(*new))
-                    lf.etag = etag
-                    self.local.save(lf)
-        elif inode.is_dir:
-            if inode.key:  # the root has no marker to carry metadata
-                await self.store.put_bytes(inode.key + "/", b"", make_meta(*new))
+            cur = Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns)
+            new = _new_attrs(cur, mode, uid, gid, mtime_ns)
+            if new != cur:
+                lf.mode, lf.uid, lf.gid, lf.mtime_ns = new.mode, new.uid, new.gid, \
+                    new.mtime_ns
+                ref = await self.backend.working_attrs_changed(lf)
+                if ref is not None and not inode.detached:
+                    if inode.etag and ref.etag != inode.etag:
+                        self.router.rekey(inode.key, inode.etag, inode.key, ref.etag)
+                    self._stored_in_s3(inode, ref, new)
+            if lf.opens == 0 and not lf.removed:
+                # truncate(2)/chmod(2) on a path: as if opened, changed and closed.
+                if lf.dirty:
+                    e = await self.backend.close(inode.key, lf)
+                    if e is not None:
+                        self._show_own(inode, e)
+                self.backend.released(lf)
+            return self.attr(inode)
+        new = _new_attrs(inode.attrs, mode, uid, gid, mtime_ns)
+        if new == inode.attrs:
+            return self.attr(inode)
+        current = inode.overlay
+        if not isinstance(current, FileEntry):
+            if not inode.etag:
+                inode = await self._revalidate(inode)
+            current = ObjectRef(inode.key, inode.etag or "", inode.size)
+        got = await self.backend.set_file_attrs(inode.key, current, new)
+        if isinstance(got, FileEntry):
+            self._show(inode, got)
         else:
-            etag = await self.store.copy(inode.key, inode.key, make_meta(*new))
-            if inode.etag and etag != inode.etag:
-                self.chunks.rekey(inode.key, inode.etag, inode.key, etag)
-            inode.etag = etag
-        inode.mode, inode.uid, inode.gid, inode.mtime_ns = new
-        inode.meta_loaded = True
-        inode.checked = time.monotonic()
+            if inode.etag and got.etag != inode.etag:
+                self.router.rekey(inode.key, inode.etag, inode.key, got.etag)
+            self._stored_in_s3(inode, got, new)
         return self.attr(inode)
 
     async def unlink(self, parent_ino: int, name: bytes | str) -> None:
         self._writable()
         parent = self._dir(parent_ino)
-        inode = await self._resolve(parent, self._name(name))
+        inode = await self._resolve(parent, _name(name))
         if inode.is_dir:
             raise IsADirectory(inode.key)
         key = inode.key
         lf = self.local.by_key.get(key)
-        in_s3 = inode.in_s3
-        if lf is not None:
-            async with lf.lock:
-                in_s3 = in_s3 or lf.etag is not None
-                self.local.remove(lf)
-        if in_s3:
-            await self.store.delete(key)
-        self.chunks.drop_object(key)
+        async with AsyncExitStack() as stack:
+            if lf is not None:
+                await stack.enter_async_context(lf.lock)  # never while it is uploading
+            await self.backend.unlink(key, inode.in_s3 or (lf is not None
+                                                           and lf.etag is not None))
+            if lf is not None:
+                self.local.remove(lf)  # its data stays while a handle has it open
+        self.router.drop_object(key)
         self._forget_child(inode)
         parent.mtime_ns = time.time_ns()
 
     async def symlink(self, parent_ino: int, name: bytes | str, target: bytes, uid: int,
                       gid: int) -> Attr:
         parent, name, key = await self._free_name(parent_ino, name)
-        now = time.time_ns()
-        etag = await self.store.put_bytes(key, target, make_meta(SYMLINK_MODE, uid, gid, now))
-        inode = self._new_inode(key, SYMLINK_MODE)
-        inode.uid, inode.gid, inode.mtime_ns, inode.size = uid, gid, now, len(target)
-        inode.etag, inode.target, inode.in_s3, inode.meta_loaded = etag, target, True, True
-        inode.checked = time.monotonic()
+        attrs = Attrs(SYMLINK_MODE, uid, gid, time.time_ns())
+        got = await self.backend.symlink(key, bytes(target), attrs)
+        inode = self._inode_for(key, got if isinstance(got, FileEntry) else None, False)
+        if isinstance(got, ObjectRef):
+            self._stored_in_s3(inode, got, attrs)
+        inode.target = bytes(target)
+        inode.size = len(target)
         inode.lookups += 1
         self._add_child(parent, name, inode)
         return self.attr(inode)
@@ -857,6 +1060,12 @@ class Filesystem:
         inode = self.inode(ino)
         if not inode.is_symlink:
             raise Invalid(inode.key)
+        e = inode.overlay
+        if isinstance(e, FileEntry):
+            if e.target is not None:
+                return e.target
+            if e.base:
+                return await self.store.get_range(e.base.key, e.base.etag, 0, e.base.size)
         if inode.target is None:
             inode.target = await self.store.get_range(inode.key, inode.etag, 0, inode.size)
         return inode.target
@@ -872,7 +1081,7 @@ class Filesystem:
         if flags & RENAME_EXCHANGE:
             raise Invalid("RENAME_EXCHANGE is not supported")
         op, np = self._dir(old_parent), self._dir(new_parent)
-        old_name, new_name = self._name(old_name), self._name(new_name)
+        old_name, new_name = _name(old_name), _name(new_name)
         src = await self._resolve(op, old_name)
         new_key = self._key(np, new_name)
         if new_key == src.key:
@@ -894,85 +1103,63 @@ class Filesystem:
             raise Invalid("cannot move a directory into itself")
         return op, np, old_name, src, new_name, dst, new_key
 
+    def _attrs_of(self, key: str) -> Attrs | None:
+        inode = self._by_key(key.rstrip("/"))
+        return inode.attrs if inode is not None and inode.meta_loaded else None
+
     async def rename(self, old_parent: int, old_name: bytes | str, new_parent: int,
                      new_name: bytes | str, flags: int = 0) -> None:
         plan = await self._rename_plan(old_parent, old_name, new_parent, new_name, flags)
         if plan is None:
             return
         op, np, old_name, src, new_name, dst, new_key = plan
-        if dst is not None:
-            if dst.is_dir:
-                await self.store.delete(dst.key + "/")
-            else:
-                dlf = self.local.by_key.get(dst.key)
-                if dlf is not None:
-                    async with dlf.lock:
-                        self.local.remove(dlf)
-                self.chunks.drop_object(dst.key)
-            self._forget_child(dst)
-        if src.is_dir:
-            await self._rename_dir(src, new_key)
-        else:
-            await self._rename_object(src.key, new_key, src)
         old_key = src.key
+        try:
+            moved = await self.backend.rename(
+                old_key, new_key, src.is_dir, dst is not None and dst.is_dir,
+                bool(flags & RENAME_NOREPLACE), src.attrs if src.is_dir else None,
+                self._attrs_of)
+        except ObjcacheError:
+            # Part of a tree may have moved (one node moves object by object): ask S3
+            # again about both places rather than show what we knew before.
+            self._stale_tree(old_key)
+            self._stale_tree(new_key)
+            np.listed = op.listed = 0.0
+            raise
+        if dst is not None:  # (its working copy went in backend.rename)
+            if not dst.is_dir:
+                self.router.drop_object(dst.key)
+            self._forget_child(dst)
+        self._moved_objects(moved)
         if op.children is not None:
             op.children.pop(old_name, None)
         self._rekey_inodes(old_key, new_key)
         self._add_child(np, new_name, src)
+        e = self.backend.entry(new_key + "/" if src.is_dir else new_key)
+        if e is not None:
+            self._show(src, e)
         op.mtime_ns = np.mtime_ns
 
-    async def _rename_object(self, old: str, new: str, inode: Inode | None) -> None:
-        """Move one file or symlink: server-side copy + delete in S3, re-key local state."""
-        lf = self.local.by_key.get(old)
-        async with AsyncExitStack() as stack:
-            if lf is not None:
-                await stack.enter_async_context(lf.lock)
-            exists = (inode.in_s3 if inode is not None else True) or (
-                lf is not None and lf.etag is not None)
-            if exists:
-                old_etag = inode.etag if inode is not None else None
-                etag = await self.store.copy(old, new)
-                await self.store.delete(old)
-                if old_etag:
-                    self.chunks.rekey(old, old_etag, new, etag)
-                if inode is not None:
-                    inode.etag = etag
-                if lf is not None:
-                    if lf.base_key == old:
-                        lf.base_key, lf.base_etag = new, etag
-                    if not lf.dirty:
-                        lf.etag = etag
-            if lf is not None:
-                self.local.rekey(lf, new)
+    def _moved_objects(self, moved: list[Moved]) -> None:
+        """S3 objects a rename copied: their cached chunks and inodes follow."""
+        for m in moved:
+            inode = self._by_key(m.old_key)
+            old_etag = m.old_etag or (inode.etag if inode is not None else None)
+            if old_etag:
+                self.router.rekey(m.old_key, old_etag, m.new_key, m.new_etag)
+            if inode is not None and not inode.is_dir:
+                inode.etag = m.new_etag
 
-    async def _rename_dir(self, d: Inode, new_key: str) -> None:
-        """Move every object under the directory (not atomic: see docs/semantics.md)."""
-        old_prefix, new_prefix = d.key + "/", new_key + "/"
-        objs = [o async for o in self.store.list_recursive(old_prefix)]
-        local_keys = {k for k in self.local.by_key if k.startswith(old_prefix)}
-        limiter = trio.CapacityLimiter(_COPY_PARALLEL)
-        s3_keys = {o.key for o in objs}
-
-        async def move(key: str) -> None:
-            async with limiter:
-                dest = new_prefix + key[len(old_prefix):]
-                if key == old_prefix:
-                    # A marker carries no data; some servers (SeaweedFS) cannot copy one.
-                    await self.store.put_bytes(dest, b"", make_meta(d.mode, d.uid, d.gid,
-                                                                    d.mtime_ns))
-                    await self.store.delete(key)
-                    return
-                ino = self.by_key.get(key)
-                await self._rename_object(key, dest, self.inodes.get(ino) if ino else None)
-
-        with first_error():
-            async with trio.open_nursery() as n:
-                for key in sorted(s3_keys | local_keys):
-                    n.start_soon(move, key)
-        if not objs and not local_keys:
-            # An empty directory without a marker only existed in our memory: give it one.
-            await self.store.put_bytes(new_prefix, b"", make_meta(d.mode, d.uid, d.gid,
-                                                                  d.mtime_ns))
+    def _stale_tree(self, key: str) -> None:
+        """Everything we know at or under `key` is asked for again (and the kernel's copy
+        of it dropped)."""
+        prefix = key + "/"
+        for inode in list(self.inodes.values()):
+            if inode.key == key or inode.key.startswith(prefix):
+                inode.checked = inode.listed = 0.0
+                parent = self._parent_of(inode.key)
+                if parent is not None:
+                    self.notify.entry(parent.ino, inode.key.rpartition("/")[2])
 
     def _rekey_inodes(self, old: str, new: str) -> None:
         old_prefix = old + "/"
@@ -988,12 +1175,93 @@ class Filesystem:
                 self._detach(self.inodes[stale])
             self.by_key[inode.key] = inode.ino
 
+    # -- changes made elsewhere -----------------------------------------------------------
+
+    def _apply_changes(self, changes: list[Change]) -> None:
+        """Bring our inodes in line with changes another node committed (or an upload),
+        and drop what the kernel cached of them."""
+        for ch in changes:
+            is_dir = ch.key.endswith("/")
+            k = ch.key.rstrip("/")
+            inode = self._by_key(k)
+            if inode is not None and inode.is_dir != is_dir:
+                inode = None  # a change to the other kind of thing with this name
+            if ch.uploaded is not None:
+                if inode is not None:
+                    lf = self.local.by_key.get(k)
+                    clean = lf is not None and not lf.dirty and lf.etag == ch.uploaded.etag
+                    self._stored_in_s3(inode, ch.uploaded, Attrs(
+                        lf.mode, lf.uid, lf.gid, lf.mtime_ns) if clean and lf else None)
+                continue
+            if ch.ours:
+                continue  # our own change: the call that made it updated us already
+            if ch.entry is None:
+                if is_dir and self.backend.live_under(ch.key):
+                    continue  # the marker goes; the directory (with children) stays
+                if inode is not None:
+                    self._gone(inode)
+                continue
+            if inode is not None:
+                self._show(inode, ch.entry)
+                self.notify.inode(inode.ino)
+            else:
+                self._add_listed(k, ch.entry, is_dir)
+
+    def _gone(self, inode: Inode) -> None:
+        pino = self.by_key.get(parent_key(inode.key))
+        name = inode.key.rpartition("/")[2]
+        self._forget_child(inode)
+        if pino is not None:
+            self.notify.entry(pino, name)
+            parent = self.inodes.get(pino)
+            if parent is not None:
+                parent.mtime_ns = time.time_ns()
+
+    def _add_listed(self, key: str, e: FileEntry | DirEntry, is_dir: bool) -> None:
+        """Put a new entry into its parent's listing, if we have that listing."""
+        parent = self._parent_of(key)
+        if parent is None or parent.children is None:
+            return  # a lookup will find it among the entries
+        inode = self._inode_for(key, e if isinstance(e, DirEntry) == is_dir else None,
+                                is_dir)
+        name = key.rpartition("/")[2]
+        parent.children[name] = inode.ino
+        self.notify.entry(parent.ino, name)
+
+    # -- write-back -----------------------------------------------------------------------
+
+    async def _commit_open_files(self, scope: FlushScope) -> None:
+        """What files still open here wrote becomes durable (before a flush or drain)."""
+        async def one(h: FileHandle) -> None:
+            assert h.lf is not None
+            e = await self.backend.close(h.inode.key, h.lf)
+            if e is not None:
+                self._show_own(h.inode, e)
+
+        with first_error():
+            async with trio.open_nursery() as n:
+                for h in list(self.handles.values()):
+                    if (h.lf is not None and h.lf.dirty and not h.lf.removed
+                            and (scope.kind == "mine" or scope.covers(h.lf.key))):
+                        n.start_soon(one, h)
+
+    async def flush_scope(self, scope: FlushScope) -> int:
+        """`objcache flush`: return once everything dirty in `scope` is in S3."""
+        await self._commit_open_files(scope)
+        return await self.backend.flush(scope)
+
+    async def drain(self) -> int:
+        """Before leaving: everything written here is made durable and written back."""
+        await self._commit_open_files(FlushScope.mine())
+        return await self.backend.drain()
+
     # -- misc -----------------------------------------------------------------------------
 
     def statfs(self) -> dict[str, int]:
         bsize = 4096
-        total = max(self.chunks.capacity, 1 << 40) // bsize
-        free = max(0, total - self.chunks.used // bsize)
+        cache = self.router.cache
+        total = max(cache.capacity, 1 << 40) // bsize
+        free = max(0, total - cache.used // bsize)
         return {"bsize": bsize, "blocks": total, "bfree": free, "files": 1 << 32,
                 "ffree": 1 << 32, "namemax": 255}
 

@@ -1,15 +1,11 @@
-"""Inodes: what the filesystem knows about one key, and the s3fs-fuse metadata convention.
-
-POSIX attributes live in object metadata as s3fs-fuse writes them (x-amz-meta-mode, -uid,
--gid, -mtime, decimal strings; a symlink is an object whose body is the target and whose
-mode has S_IFLNK), so buckets are interchangeable between the two.
-"""
+"""Inodes: what the filesystem core knows about one key, and the attributes it replies."""
 
 from __future__ import annotations
 
 import stat
 from dataclasses import dataclass
-from typing import Any
+
+from objcache.entries import Attrs, DirEntry, FileEntry
 
 ROOT_INO = 1
 CTRL_INO = 0xFFFF_FFFF  # the control file; far above any inode number we hand out
@@ -30,18 +26,21 @@ class Attr:
     gid: int
     mtime_ns: int
     cache_timeout: float
+    nlink: int = 1
 
 
 class Inode:
     """Attributes:
     key: object key relative to the mount prefix ('' for the root; no trailing '/').
     etag: ETag of the S3 version the attributes describe (files and symlinks).
-    meta_loaded: mode/uid/gid came from a HEAD; a LIST does not return metadata.
-    checked: monotonic time the attributes were last confirmed by S3.
+    meta_loaded: mode/uid/gid came from a HEAD (or an entry); a LIST does not return
+        metadata.
+    checked: monotonic time the attributes were last confirmed.
     children: name -> ino once the directory was listed; None before.
     in_s3: an object (or directory marker) exists in S3 under this key.
-    overlay: in a cluster, the namespace entry (objcache.txn.namespace) this inode shows.
-    content_gen: bumped when S3 content changed under us; opens compare it to decide
+    overlay: the backend's entry this inode shows (files and directories changed in a
+        cluster and not written back yet), if any.
+    content_gen: bumped when the content changed under us; opens compare it to decide
         whether the kernel may keep its page cache.
     """
 
@@ -72,7 +71,8 @@ class Inode:
         self.content_gen = 0
         self.kernel_gen = -1
         self.created = 0.0
-        self.overlay: dict[str, Any] | None = None  # cluster: the namespace entry last applied
+        self.overlay: FileEntry | DirEntry | None = None
+
     @property
     def is_dir(self) -> bool:
         return stat.S_ISDIR(self.mode)
@@ -81,6 +81,18 @@ class Inode:
     def is_symlink(self) -> bool:
         return stat.S_ISLNK(self.mode)
 
+    @property
+    def detached(self) -> bool:
+        """Unlinked (or replaced) while the kernel or an open handle still knows it."""
+        return self.key.startswith("\0")
+
+    @property
+    def attrs(self) -> Attrs:
+        return Attrs(self.mode, self.uid, self.gid, self.mtime_ns)
+
+    def set_attrs(self, a: Attrs) -> None:
+        self.mode, self.uid, self.gid, self.mtime_ns = a.mode, a.uid, a.gid, a.mtime_ns
+
 
 def parent_key(key: str) -> str:
     return key.rpartition("/")[0]
@@ -88,35 +100,3 @@ def parent_key(key: str) -> str:
 
 def child_key(parent: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
-
-
-def _int(meta: dict[str, str], name: str) -> int | None:
-    try:
-        return int(meta[name])
-    except (KeyError, ValueError):
-        return None
-
-
-def parse_meta(meta: dict[str, str], default_mode: int, uid: int, gid: int,
-               mtime_ns: int) -> tuple[int, int, int, int]:
-    """(mode, uid, gid, mtime_ns) from s3fs-style metadata, with defaults for what is
-    missing or malformed."""
-    mode = _int(meta, "mode")
-    if mode is None:
-        mode = default_mode
-    elif not stat.S_IFMT(mode):
-        mode |= stat.S_IFMT(default_mode)  # permission bits only: keep the object's type
-    u = _int(meta, "uid")
-    g = _int(meta, "gid")
-    mt = meta.get("mtime")
-    if mt is not None:
-        try:
-            mtime_ns = int(float(mt) * 1e9)
-        except ValueError:
-            pass
-    return mode, uid if u is None else u, gid if g is None else g, mtime_ns
-
-
-def make_meta(mode: int, uid: int, gid: int, mtime_ns: int) -> dict[str, str]:
-    return {"mode": str(mode), "uid": str(uid), "gid": str(gid),
-            "mtime": str(mtime_ns // 1_000_000_000)}

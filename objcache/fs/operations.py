@@ -21,7 +21,6 @@ import trio
 from objcache.control import ControlChannel
 from objcache.core.filesystem import Filesystem
 from objcache.core.inode import CTRL_INO, Attr
-from objcache.core.writeback import Writeback
 from objcache.errors import ObjcacheError, errno_of, unwrap
 from objcache.metrics import FUSE_ERRORS, FUSE_SECONDS
 
@@ -70,7 +69,7 @@ def entry(a: Attr) -> pyfuse3.EntryAttributes:
     e.entry_timeout = a.cache_timeout
     e.attr_timeout = a.cache_timeout
     e.st_mode = a.mode
-    e.st_nlink = 2 if (a.mode & 0o170000) == 0o040000 else 1
+    e.st_nlink = a.nlink
     e.st_uid = a.uid
     e.st_gid = a.gid
     e.st_rdev = 0
@@ -88,13 +87,18 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, fs: Filesystem, writeback: Writeback, control: ControlChannel) -> None:
+    def __init__(self, fs: Filesystem, control: ControlChannel,
+                 notifier: KernelNotifier) -> None:
         super().__init__()
         self.fs = fs
-        self.writeback = writeback
         self.control = control
+        self.notifier = notifier
         self._dirs: dict[int, list[tuple[str, Attr]]] = {}
         self._next_dir = 1
+
+    def init(self) -> None:
+        """FUSE's INIT: from now on the kernel can be told to drop what it cached."""
+        self.notifier.start()
 
     @fuse_op
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> Any:
@@ -216,7 +220,7 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     @fuse_op
     async def fsync(self, fh: int, datasync: bool) -> None:
         if not self.control.owns(fh):
-            await self.fs.fsync(fh, self.writeback)
+            await self.fs.fsync(fh)
 
     @fuse_op
     async def statfs(self, ctx: Any) -> Any:
@@ -252,23 +256,33 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
 
 class KernelNotifier:
-    """Tells the kernel to drop what it cached of entries and inodes another node changed.
-    Entries go through pyfuse3's notify thread (invalidating from a request handler can
-    deadlock); inodes are invalidated in a worker thread (it may block)."""
+    """Tells the kernel to drop what it cached of entries and inodes that changed
+    elsewhere (objcache.core.filesystem.KernelNotifier). Entries go through pyfuse3's
+    notify thread (invalidating from a request handler can deadlock); inodes are
+    invalidated in a worker thread (it may block). Before FUSE's INIT there is nothing in
+    the kernel to drop, and pyfuse3 has no session to send on: calls do nothing."""
 
     def __init__(self) -> None:
         self.limiter = trio.CapacityLimiter(1)
+        self.active = False
+
+    def start(self) -> None:
+        self.active = True
 
     def entry(self, parent_ino: int, name: str) -> None:
-        pyfuse3.invalidate_entry_async(parent_ino, name.encode(), ignore_enoent=True)
+        if self.active:
+            pyfuse3.invalidate_entry_async(parent_ino, name.encode(), ignore_enoent=True)
 
     def inode(self, ino: int) -> None:
-        trio.lowlevel.spawn_system_task(self._inode, ino)
+        if self.active:
+            trio.lowlevel.spawn_system_task(self._inode, ino)
 
     def attrs_now(self, ino: int) -> None:
         """Drop the kernel's cached attributes of `ino` before we reply to an open of it,
         so its reads go up to the new size. Attribute-only invalidation takes no inode
         lock in the kernel, so it is safe from inside the open request."""
+        if not self.active:
+            return
         try:
             pyfuse3.invalidate_inode(ino, True)
         except OSError as e:

@@ -1,5 +1,8 @@
-"""A Raft member (pysyncobj) replicating `ClusterState`, with a trio-facing `submit`.
+"""A Raft member (pysyncobj) replicating a deterministic state machine, with a trio-facing
+`submit`.
 
+The raft layer knows no objcache state: a member replicates whatever `StateMachine` it is
+given (objcache.txn.state.ClusterState in a daemon, a counter machine in the stress test).
 pysyncobj runs its own thread (autoTick); a submitted command's result comes back through
 a callback on that thread and is handed to the trio task waiting for it with the trio
 token (run_sync_soon is thread-safe). A command that cannot commit within its timeout (no
@@ -16,28 +19,37 @@ docs/architecture.md, "Raft"):
   replays its log;
 - log compaction only after many entries and minutes, which keeps the compaction path
   (where a follower journal was seen to break under load) out of the hot path.
+The follower's log handling is corrected in objcache/raft/follower_fix.py.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import trio
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 
-from objcache.errors import ObjcacheError
-from objcache.raft.state import ClusterState
+from objcache.errors import NoQuorum
+from objcache.raft.follower_fix import FollowerFix
 
 log = logging.getLogger(__name__)
 
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
 
 
-class NoQuorum(ObjcacheError):
-    """A command could not be committed in time (no leader, or no majority reachable)."""
+class StateMachine(Protocol):
+    """What a member replicates: `apply` must be deterministic (same commands, same
+    results and state everywhere) and the object picklable (snapshots)."""
+
+    def apply(self, cmd: dict[str, Any]) -> Any: ...
+
+
+# Called on pysyncobj's thread after each applied command: (the machine, the command).
+Applied = Callable[[Any, dict[str, Any]], None]
 
 
 def make_conf(data_dir: Path, secret: str) -> SyncObjConf:
@@ -56,90 +68,24 @@ def make_conf(data_dir: Path, secret: str) -> SyncObjConf:
         logCompactionMinEntries=200_000,
         logCompactionMinTime=600,
         # one command up to this size travels as one message; bigger ones would take
-        # pysyncobj's chunked path, which _Replica._follow does not cover
+        # pysyncobj's chunked path, which the follower fix does not cover
         appendEntriesBatchSizeBytes=16 << 20,
     )
 
 
-class _Replica(SyncObj):  # type: ignore[misc]
-    def __init__(self, self_addr: str, partners: list[str], conf: SyncObjConf) -> None:
-        self.state = ClusterState()
-        self.on_changes: Any = None  # (changes, command) -> None; set before __init__: not dumped
-        self._ack_limit: int | None = None  # see _follow
+def _ignore(machine: Any, cmd: dict[str, Any]) -> None:
+    pass
+
+
+class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
+    def __init__(self, self_addr: str, partners: list[str], conf: SyncObjConf,
+                 state: StateMachine, on_applied: Applied = _ignore) -> None:
+        self.state = state
+        self.on_applied = on_applied  # set before __init__: never dumped
         super().__init__(self_addr, partners, conf=conf)
         # pysyncobj dumps (log compaction, a snapshot sent to a new follower) only hold
         # attributes set after its __init__: the state must be one of them.
         self._SyncObj__properies.discard("state")
-
-    # pysyncobj 0.3.17's follower departs from Raft (section 5.3) in two ways that the
-    # stress test (leader kill -9 under load) hits:
-    # 1. It deletes every entry after prevLogIdx whenever it holds more than an
-    #    append_entries message covers, even entries it already applied ("truncating
-    #    already-applied log entries"). With pipelined appends and resends after a leader
-    #    change that is most messages. Raft deletes only entries that conflict.
-    # 2. Rejecting a message whose prevLogIdx is beyond its log, it asks for "my last index
-    #    + 1" even when that tail is another term's and conflicts; rejecting a mismatch it
-    #    asks for prevLogIdx. The leader pipelines several messages per tick, so the two
-    #    answers alternate forever and a restarted old leader never catches up (seen as
-    #    clients stalled for minutes).
-    # So each message first loses the leading entries we already hold (same index and
-    # term); if nothing new is left, our log is left alone, and we acknowledge only what is
-    # verified (the message's end, or our whole log when its tail is the sender's own term:
-    # a leader never rewrites its own term), with the commit index capped to that point so
-    # an unverified tail is never applied. A rejection asks for our commit index + 1 when our
-    # tail is not the leader's term: committed entries never conflict, and resent entries
-    # are trimmed. Snapshot and chunked ("transmission") messages go to pysyncobj unchanged;
-    # appendEntriesBatchSizeBytes keeps commands out of the chunked path.
-    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> Any:
-        self._ack_limit = None
-        if (isinstance(message, dict) and message.get("type") == "append_entries"
-                and "prevLogIdx" in message and message.get("transmission") is None):
-            message = self._follow(message)
-        try:
-            return SyncObj._SyncObj__onMessageReceived(self, node, message)
-        finally:
-            self._ack_limit = None
-
-    def _follow(self, message: dict[str, Any]) -> dict[str, Any]:
-        get = self._SyncObj__getEntries
-        prev = get(message["prevLogIdx"], 1)
-        if not prev or prev[0][2] != message["prevLogTerm"]:
-            return message  # rejected by pysyncobj; the answer is fixed in __sendNextNodeIdx
-        entries = message.get("entries") or []
-        known = 0
-        for _, idx, term in entries:
-            mine = get(idx, 1)
-            if not mine or mine[0][2] != term:
-                break
-            known += 1
-        if known < len(entries):
-            if known == 0:
-                return message
-            _, last_idx, last_term = entries[known - 1]
-            return dict(message, entries=entries[known:], prevLogIdx=last_idx,
-                        prevLogTerm=last_term)
-        verified = entries[-1][1] if entries else message["prevLogIdx"]
-        _, my_last, my_term = self._SyncObj__raftLog[-1]
-        if my_last == verified or my_term == message["term"]:
-            return dict(message, entries=[], prevLogIdx=my_last, prevLogTerm=my_term)
-        # Our tail is another term's: keep it (it may be committed), but neither
-        # acknowledge nor commit past what this message verified.
-        self._ack_limit = verified + 1
-        return dict(message, entries=[], prevLogIdx=my_last, prevLogTerm=my_term,
-                    commit_index=min(message["commit_index"], verified))
-
-    def _SyncObj__sendNextNodeIdx(self, node: Any, reset: bool = False,
-                                  nextNodeIdx: int | None = None,
-                                  success: bool = False) -> Any:
-        if success and self._ack_limit is not None:
-            nextNodeIdx = self._ack_limit
-        elif reset and not success:
-            _, my_last, my_term = self._SyncObj__raftLog[-1]
-            if my_term != self._SyncObj__raftCurrentTerm:
-                asked = my_last + 1 if nextNodeIdx is None else nextNodeIdx
-                nextNodeIdx = min(asked, self._SyncObj__raftCommitIndex + 1)
-        return SyncObj._SyncObj__sendNextNodeIdx(self, node, reset=reset,
-                                                 nextNodeIdx=nextNodeIdx, success=success)
 
     @replicated  # type: ignore[misc]
     def _apply(self, blob: bytes) -> Any:
@@ -150,30 +96,24 @@ class _Replica(SyncObj):  # type: ignore[misc]
         if not isinstance(cmd, dict):
             return {"error": "a command must be a map"}
         result = self.state.apply(cmd)
-        changes = self.state.last_changes
-        if changes and self.on_changes is not None:
-            try:
-                self.on_changes(changes, cmd)
-            except Exception:  # our caches are not the replicated state: never stop Raft
-                log.exception("applying namespace changes to this node's caches failed")
+        try:
+            self.on_applied(self.state, cmd)
+        except Exception:  # our caches are not the replicated state: never stop Raft
+            log.exception("handing an applied command to this node's caches failed")
         return result
 
 
 class RaftNode:
     def __init__(self, self_addr: str, partners: list[str], data_dir: Path,
-                 secret: str) -> None:
+                 secret: str, state: StateMachine, on_applied: Applied = _ignore) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.addr = self_addr
         self._replica = _Replica(self_addr, [p for p in partners if p != self_addr],
-                                 make_conf(data_dir, secret))
+                                 make_conf(data_dir, secret), state, on_applied)
 
     @property
-    def state(self) -> ClusterState:
+    def state(self) -> Any:
         return self._replica.state  # a loaded dump replaces the object: never keep it
-
-    def set_listener(self, fn: Any) -> None:
-        """`fn(changes, command)` runs on Raft's thread after each namespace command."""
-        self._replica.on_changes = fn
 
     async def _call(self, what: str, start: Any, timeout: float) -> Any:
         """Run a pysyncobj call that reports through callback(result, error) and wait for

@@ -25,35 +25,21 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from objcache.errors import (
-    Exists,
-    IsADirectory,
-    NotADirectory,
-    NotEmpty,
-    NotFound,
-    ObjcacheError,
-    PeerError,
-    ProtocolError,
-)
-from objcache.raft.node import NoQuorum
-from objcache.raft.state import ClusterState
+from objcache.cluster.peers import field_int, field_str
+from objcache.errors import NoQuorum, PeerError, ProtocolError, error_from_code
 from objcache.txn.dirtystore import PIECE, DirtyStore
+from objcache.txn.state import ClusterState
 
 if TYPE_CHECKING:
     from objcache.cluster.node import ClusterNode
+    from objcache.cluster.peers import Handler, Reply
 
 log = logging.getLogger(__name__)
 
 BARRIER_TIMEOUT = 3.0
 DEGRADED_FOR = 5.0  # after a failed barrier, serve from what we have applied this long
-_ERRORS: dict[str, type[ObjcacheError]] = {
-    "exists": Exists, "notfound": NotFound, "notempty": NotEmpty,
-    "isdir": IsADirectory, "notdir": NotADirectory}
 _EMPTY = ClusterState()
-
-
-class Gone(NotFound):
-    """The file was unlinked by another node before this change committed."""
+MAX_BLOB = 5 << 40
 
 
 def key_point(key: str) -> str:
@@ -76,22 +62,24 @@ class TxnClient:
         self._round_running = False
         self._round_done = trio.Event()
         self._degraded_until = 0.0
-        self.ready = False  # set once a first barrier passed (we have caught up)
-        node.txn = self
+
+    def routes(self) -> dict[str, Handler]:
+        """The dirty-blob requests this node answers (replication and reads of blobs)."""
+        return {"dread": self._dread, "dpull": self._dpull}
 
     def caught_up(self) -> bool:
         """Our Raft member follows a leader and has applied all it knows is committed (so
         the entries we read are not a stale or empty view)."""
-        raft = self.node.raft
-        if raft is None or not self.ready:
+        group = self.node.raft
+        if group.raft is None or not group.ready:
             return False
-        st = raft.status()
+        st = group.raft.status()
         return st["leader"] is not None and st["apply_lag"] == 0
 
     @property
     def state(self) -> ClusterState:
-        raft = self.node.raft
-        return raft.state if raft is not None else _EMPTY
+        state = self.node.raft.state
+        return state if state is not None else _EMPTY
 
     # -- committing -----------------------------------------------------------------------
 
@@ -107,7 +95,7 @@ class TxnClient:
             if left <= 0:
                 raise NoQuorum(f"{cmd['op']} of {cmd.get('key') or cmd.get('src')!r} could "
                                f"not commit within {self.timeout:.0f}s: {last}")
-            raft = self.node.raft
+            raft = self.node.raft.raft
             if raft is None:
                 last = NoQuorum("raft is not running yet")
                 await trio.sleep(min(0.2, left))
@@ -119,10 +107,9 @@ class TxnClient:
                 last = e
                 await trio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         if isinstance(result, dict) and "error" in result:
-            err = Gone if result["error"] == "gone" else _ERRORS.get(str(result["error"]))
-            if err is None:
-                raise ObjcacheError(f"{cmd['op']} refused: {result['error']}")
-            raise err(str(cmd.get("key") or cmd.get("src")))
+            code = result["error"]
+            raise error_from_code(code, f"{cmd['op']} of {cmd.get('key') or cmd.get('src')!r}"
+                                        f": {code}")
         return result if isinstance(result, dict) else {}
 
     async def barrier(self) -> None:
@@ -138,7 +125,7 @@ class TxnClient:
             self._rounds_started += 1
             n = self._rounds_started
             try:
-                raft = self.node.raft
+                raft = self.node.raft.raft
                 if raft is None:
                     raise NoQuorum("raft is not running yet")
                 await raft.submit({"op": "ns.noop"}, timeout=BARRIER_TIMEOUT)
@@ -181,9 +168,9 @@ class TxnClient:
         for node in self._candidates(key):
             if len(holders) >= self.replicas:
                 break
-            got = await self.node._call(node, {"op": "dpull", "cid": cid, "size": size,
-                                               "from": self.node_id},
-                                        max_data=0, timeout=self.timeout + 60)
+            got = await self.node.client.call(node, {"op": "dpull", "cid": cid, "size": size,
+                                                     "from": self.node_id},
+                                              max_data=0, timeout=self.timeout + 60)
             if got is not None and got[0].get("ok"):
                 holders.append(node)
         if len(holders) < min(self.replicas, len(self.node.membership.ring)):
@@ -200,9 +187,10 @@ class TxnClient:
         for node in holders:
             if node == self.node_id or self.node.membership.addr_of(node) is None:
                 continue
-            got = await self.node._call(node, {"op": "dread", "cid": cid, "off": offset,
-                                               "len": length},
-                                        max_data=length, timeout=self.node.request_timeout)
+            got = await self.node.client.call(node, {"op": "dread", "cid": cid,
+                                                     "off": offset, "len": length},
+                                              max_data=length,
+                                              timeout=self.node.request_timeout)
             if got is not None and got[1] is not None:
                 return bytes(got[1])
         raise PeerError(f"no holder of blob {cid} ({', '.join(holders)}) could serve it")
@@ -218,23 +206,22 @@ class TxnClient:
 
     # -- serving peers --------------------------------------------------------------------
 
-    async def handle(self, peer: str, msg: dict[str, Any]
-                     ) -> tuple[dict[str, Any], bytes | None]:
-        op = msg.get("op")
+    @staticmethod
+    def _cid(msg: dict[str, Any]) -> str:
         cid = msg.get("cid")
         if not isinstance(cid, str) or not cid or len(cid) > 128 or "/" in cid:
             raise ProtocolError("request field 'cid' is not a content id")
-        if op == "dread":
-            off, n = msg.get("off"), msg.get("len")
-            if not (isinstance(off, int) and isinstance(n, int) and off >= 0
-                    and 0 <= n <= max(PIECE, self.node.chunk_size)):
-                raise ProtocolError("dread: bad range")
-            data = await self.dirty.read(cid, off, n)
-            return {"data": len(data)}, data
-        if op == "dpull":
-            size, src = msg.get("size"), msg.get("from")
-            if not (isinstance(size, int) and 0 <= size <= 5 << 40 and isinstance(src, str)):
-                raise ProtocolError("dpull: bad size or source")
-            await self.pull(cid, size, [src])
-            return {"ok": True}, None
-        raise ProtocolError(f"unknown request {op!r:.50} from {peer}")
+        return cid
+
+    async def _dread(self, peer: str, msg: dict[str, Any]) -> Reply:
+        cid = self._cid(msg)
+        off = field_int(msg, "off", 0, MAX_BLOB)
+        n = field_int(msg, "len", 0, max(PIECE, self.node.placement.chunk_size))
+        data = await self.dirty.read(cid, off, n)
+        return {"data": len(data)}, data
+
+    async def _dpull(self, peer: str, msg: dict[str, Any]) -> Reply:
+        cid = self._cid(msg)
+        size = field_int(msg, "size", 0, MAX_BLOB)
+        await self.pull(cid, size, [field_str(msg, "from")])
+        return {"ok": True}, None

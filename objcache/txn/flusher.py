@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
-from objcache.core.inode import make_meta
+from objcache.entries import DirEntry, Entry, FileEntry, FlushScope, Tombstone
 from objcache.errors import ObjcacheError, StaleObject, StoreError
-from objcache.txn.namespace import DIR, FILE, TOMB
+from objcache.store.meta import make_meta
 
 if TYPE_CHECKING:
     from objcache.store import ObjectStore
@@ -53,23 +53,23 @@ class ClusterFlusher:
         self.uploaded = 0
         self.failed = 0
 
-    def _snapshot(self) -> list[tuple[str, dict[str, Any]]]:
+    def _snapshot(self) -> list[tuple[str, Entry]]:
         st = self.txn.state
         with st.lock:
-            return [(k, dict(e)) for k, e in st.ns.entries.items()]
+            return list(st.ns.entries.items())
 
     def _referenced(self, key: str) -> bool:
         st = self.txn.state
         with st.lock:
             return st.ns.referenced(key)
 
-    def _due(self, key: str, e: dict[str, Any], now: float, mine: bool) -> bool:
+    def _due(self, key: str, e: Entry, now: float, mine: bool) -> bool:
         if key in self._running or now - self._failed.get(key, -1e9) < RETRY_AFTER_FAILURE:
             return False
         urgent = self._urgent is None or key in self._urgent
         if not mine and not urgent:
             return False
-        return urgent or e["t"] == TOMB or time.time() - e.get("at", 0) >= self.delay
+        return urgent or isinstance(e, Tombstone) or time.time() - e.at >= self.delay
 
     async def run(self) -> None:
         last_gc = 0.0
@@ -92,7 +92,7 @@ class ClusterFlusher:
                 with trio.move_on_after(0.5):
                     await self.wake.wait()
 
-    async def _one(self, key: str, e: dict[str, Any]) -> None:
+    async def _one(self, key: str, e: Entry) -> None:
         try:
             async with self.uploads:
                 await self.upload(key, e)
@@ -108,54 +108,52 @@ class ClusterFlusher:
         finally:
             self._running.discard(key)
 
-    async def upload(self, key: str, e: dict[str, Any]) -> None:
+    async def upload(self, key: str, e: Entry) -> None:
         """Bring S3 in line with entry `e` of `key`, then commit that it is clean."""
         if self._referenced(key):
             return  # someone's base still needs the current object here: later
         etag: str | None = None
-        if e["t"] == TOMB:
+        if isinstance(e, Tombstone):
             await self.store.delete(key)
-        elif e["t"] == DIR:
-            await self.store.put_bytes(key, b"", make_meta(e["mode"], e["uid"], e["gid"],
-                                                           e["mtime"]))
-        elif e["t"] == FILE:
-            meta = make_meta(e["mode"], e["uid"], e["gid"], e["mtime"])
-            if e.get("target") is not None:
-                etag = await self.store.put_bytes(key, bytes(e["target"]), meta)
-            elif e.get("cid"):
-                cid = e["cid"]
-                if not self.dirty.has(cid):
-                    await self.txn.pull(cid, e["size"], e["holders"])
-                    await self.txn.submit({"op": "ns.holders", "key": key, "cid": cid,
+        elif isinstance(e, DirEntry):
+            await self.store.put_bytes(key, b"", make_meta(e.attrs))
+        elif isinstance(e, FileEntry):
+            meta = make_meta(e.attrs)
+            if e.target is not None:
+                etag = await self.store.put_bytes(key, e.target, meta)
+            elif e.cid:
+                if not self.dirty.has(e.cid):
+                    await self.txn.pull(e.cid, e.size, list(e.holders))
+                    await self.txn.submit({"op": "ns.holders", "key": key, "cid": e.cid,
                                            "add": [self.txn.node_id]})
-                etag = await self.store.put_file(key, self.dirty.path(cid), e["size"], meta,
+                etag = await self.store.put_file(key, self.dirty.path(e.cid), e.size, meta,
                                                  self.chunk_size)
-            elif e.get("base"):
-                src, src_etag, _ = e["base"]
+            elif e.base:
                 try:
-                    etag = await self.store.copy(src, key, meta, src_etag=src_etag)
+                    etag = await self.store.copy(e.base.key, key, meta,
+                                                 src_etag=e.base.etag)
                 except StaleObject:
-                    raise StoreError(f"the object {src!r} that {key!r} was renamed from "
-                                     "changed in S3 behind the cluster's back") from None
+                    raise StoreError(f"the object {e.base.key!r} that {key!r} was renamed "
+                                     "from changed in S3 behind the cluster's back") from None
             else:
                 etag = await self.store.put_bytes(key, b"", meta)
-        res = await self.txn.submit({"op": "ns.clean", "key": key, "ver": e["ver"],
+        res = await self.txn.submit({"op": "ns.clean", "key": key, "ver": e.ver,
                                      "etag": etag})
         if res.get("ok"):
             self.uploaded += 1
         else:
             log.debug("%r changed while it was written back; it stays dirty", key)
 
-    async def flush(self, which: str = "all", deadline: float | None = None) -> int:
-        """Write back now and return once done: `which` is "all" (every entry in the
-        cluster: the last node of a cluster, scale to zero), "mine" (what we own or hold
-        a blob of: a node about to leave) or a key prefix. Returns the entries flushed.
-        Raises StoreError past the deadline."""
+    async def flush(self, scope: FlushScope, deadline: float | None = None) -> int:
+        """Write back now and return once done: every entry in the cluster (the last node
+        of a cluster, scale to zero), what we own or hold a blob of (a node about to
+        leave), or one key and what is under it. Returns the entries flushed. Raises
+        StoreError past the deadline."""
         flushed = 0
         added: set[str] = set()
         try:
             while True:
-                todo = [(k, e) for k, e in self._snapshot() if self._wanted(k, e, which)]
+                todo = [(k, e) for k, e in self._snapshot() if self._wanted(k, e, scope)]
                 if not todo:
                     return flushed
                 flushed = max(flushed, len(todo))
@@ -164,7 +162,7 @@ class ClusterFlusher:
             if self._urgent is not None:
                 self._urgent -= added
 
-    async def _push(self, todo: list[tuple[str, dict[str, Any]]], deadline: float | None,
+    async def _push(self, todo: list[tuple[str, Entry]], deadline: float | None,
                     added: set[str]) -> None:
         if deadline is not None and time.monotonic() > deadline:
             raise StoreError(f"{len(todo)} entries are still dirty after the flush timeout")
@@ -177,19 +175,18 @@ class ClusterFlusher:
         self.wake.set()
         await trio.sleep(0.05)
 
-    def _wanted(self, key: str, e: dict[str, Any], which: str) -> bool:
-        if which == "all":
-            return True
-        if which == "mine":
+    def _wanted(self, key: str, e: Entry, scope: FlushScope) -> bool:
+        if scope.kind == "mine":
             return (self.txn.owner(key) == self.txn.node_id
-                    or (e.get("cid") is not None and self.dirty.has(e["cid"])))
-        return key == which or key.startswith(which.rstrip("/") + "/")
+                    or (isinstance(e, FileEntry) and e.cid is not None
+                        and self.dirty.has(e.cid)))
+        return scope.covers(key)
 
     def dirty_summary(self) -> tuple[int, int, float | None]:
         """(entries this node owns, their bytes, age of the oldest) for status."""
         mine = [e for k, e in self._snapshot()
                 if self.txn.owner(k) == self.txn.node_id]
         now = time.time()
-        oldest = min((e.get("at") or now for e in mine), default=None)
-        return len(mine), sum(e.get("size", 0) for e in mine), \
+        oldest = min((e.at or now for e in mine), default=None)
+        return len(mine), sum(e.size for e in mine if isinstance(e, FileEntry)), \
             None if oldest is None else round(now - oldest, 1)

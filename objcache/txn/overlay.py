@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from objcache.entries import Tombstone
 from objcache.store import ListPage, ObjectInfo, ObjectStore
-from objcache.txn.namespace import TOMB
 
 if TYPE_CHECKING:
-    from objcache.raft.state import ClusterState
     from objcache.txn.coordinator import TxnClient
 
 
@@ -24,21 +23,18 @@ class OverlayStore:
         self.store = store
         self.txn = txn
 
-    @property
-    def state(self) -> ClusterState:
-        return self.txn.state
-
     def __getattr__(self, name: str) -> Any:  # data and write calls pass straight through
         return getattr(self.store, name)
 
     def _tombstoned(self, key: str) -> bool:
-        with self.state.lock:
-            e = self.state.ns.get(key)
-        return e is not None and e["t"] == TOMB
+        st = self.txn.state
+        with st.lock:
+            return isinstance(st.ns.get(key), Tombstone)
 
     def _tombs_under(self, prefix: str) -> bool:
-        with self.state.lock:
-            return any(e["t"] == TOMB for _, e in self.state.ns.under(prefix))
+        st = self.txn.state
+        with st.lock:
+            return any(isinstance(e, Tombstone) for _, e in st.ns.under(prefix))
 
     async def head(self, key: str) -> ObjectInfo | None:
         if self._tombstoned(key):

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -82,14 +83,15 @@ class Mount:
         assert self.proc is not None
         return self.proc.wait(timeout)
 
-    def stop(self) -> None:
-        """Teardown: lazy unmount, then end the daemon by PID (TERM, then KILL)."""
+    def stop(self, grace: float = 30) -> None:
+        """Teardown: lazy unmount, then end the daemon by PID (TERM, then KILL after
+        `grace` seconds)."""
         if is_mounted(self.mnt):
             subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
@@ -99,3 +101,15 @@ class Mount:
     def errors_in_log(self) -> list[str]:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return [line for line in text.splitlines() if " ERROR " in line or "Traceback" in line]
+
+
+def stop_all(mounts: list[Mount], grace: float = 5.0) -> None:
+    """Tear mounts down at once, and briefly: a test's own assertions are done by now, and
+    daemons of a cluster stopped together cannot leave it gracefully (each waits for a
+    quorum of the others, which are leaving too); tests of draining and SIGTERM stop their
+    daemons themselves."""
+    threads = [threading.Thread(target=m.stop, args=(grace,)) for m in mounts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

@@ -7,15 +7,71 @@ python -m tests.helpers.raft_member ADDR PARTNERS DIR SECRET CLIENTS COMMANDS OU
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import sys
+import threading
+from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import trio
 
-from objcache.raft.node import NoQuorum, RaftNode
+from objcache.errors import NoQuorum
+from objcache.raft.node import RaftNode
+
+
+class Counters:
+    """A test state machine: versioned records with put and compare-and-set, and
+    exactly-once application by transaction id (as objcache.txn.state does)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, tuple[int, Any]] = {}
+        self._tx: OrderedDict[str, Any] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        with self.lock:
+            d = dict(self.__dict__)
+        del d["lock"]
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self.lock = threading.Lock()
+
+    def apply(self, cmd: dict[str, Any]) -> Any:
+        with self.lock:
+            tx = cmd.get("tx")
+            if tx in self._tx:
+                return self._tx[tx]
+            key = str(cmd.get("key"))
+            current = self.records.get(key, (0, None))[0]
+            if cmd.get("op") == "put":
+                self.records[key] = (current + 1, cmd.get("value"))
+                result: Any = {"ok": True, "version": current + 1}
+            elif cmd.get("op") == "cas" and int(cmd.get("version", -1)) == current:
+                self.records[key] = (current + 1, cmd.get("value"))
+                result = {"ok": True, "version": current + 1}
+            elif cmd.get("op") == "cas":
+                result = {"ok": False, "version": current}
+            else:
+                result = {"error": f"unknown op {cmd.get('op')!r}"}
+            if tx is not None:
+                self._tx[tx] = result
+            return result
+
+    def get(self, key: str) -> tuple[int, Any]:
+        with self.lock:
+            return self.records.get(key, (0, None))
+
+    def digest(self) -> str:
+        with self.lock:
+            blob = msgpack.packb(sorted((k, list(v)) for k, v in self.records.items()))
+        return hashlib.sha256(blob).hexdigest()
 
 
 async def _commit(node: RaftNode, cmd: dict) -> dict:  # type: ignore[type-arg]
@@ -53,7 +109,7 @@ def _write(out: str, st: dict) -> None:  # type: ignore[type-arg]
 async def main(addr: str, partners: str, data: str, secret: str, clients: int,
                commands: int, out: str) -> None:
     name = addr.replace(":", "_")
-    node = RaftNode(addr, partners.split(","), Path(data), secret)
+    node = RaftNode(addr, partners.split(","), Path(data), secret, Counters())
     progress = [0]
     done = False
 

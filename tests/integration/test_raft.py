@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from objcache.raft.state import ClusterState
+from objcache.txn.state import ClusterState
 from tests.helpers.cluster import free_port
 from tests.helpers.mount import env
 
@@ -101,19 +101,16 @@ def test_stress_with_leader_kill9_ends_identical(members) -> None:  # type: igno
 
 def test_state_machine_is_deterministic_and_exactly_once() -> None:
     a, b = ClusterState(), ClusterState()
-    cmds = [{"op": "put", "tx": "t1", "key": "x", "value": 1},
-            {"op": "put", "tx": "t1", "key": "x", "value": 1},  # a retry: applied once
-            {"op": "cas", "key": "x", "version": 1, "value": 2},
-            {"op": "cas", "key": "x", "version": 1, "value": 3},  # stale: refused
-            {"op": "multi", "ops": [{"key": "y", "version": 0, "value": "a"},
-                                    {"key": "x", "version": 9, "value": "b"}]},  # all or none
+    f = {"mode": 0o100644, "uid": 0, "gid": 0, "mtime": 1}
+    cmds = [{"op": "ns.create", "tx": "t1", "key": "x", "e": f},
+            {"op": "ns.create", "tx": "t1", "key": "x", "e": f},  # a retry: applied once
+            {"op": "ns.create", "key": "x", "e": f},  # taken: refused
             {"op": "member", "node": "n1", "addr": "127.0.0.1:1", "cap": 10},
-            {"op": "bogus"}, {"op": "put"}]
+            {"op": "bogus"}, {"op": "ns.create"}]
     results = [a.apply(c) for c in cmds]
     assert [b.apply(c) for c in cmds] == results
     assert a.digest() == b.digest()
-    assert results[1] == results[0] == {"ok": True, "version": 1}
-    assert results[3] == {"ok": False, "version": 2}
-    assert results[4] == {"ok": False, "conflict": "x"} and a.get("y") == (0, None)
-    assert "error" in results[6] and "error" in results[7]
-    assert a.get("x") == (2, 2) and a.members["n1"]["cap"] == 10
+    assert results[1] == results[0] == {"ok": True, "ver": 1}
+    assert results[2] == {"error": "exists"}
+    assert "error" in results[4] and "error" in results[5]
+    assert a.members["n1"]["cap"] == 10

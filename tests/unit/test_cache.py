@@ -10,6 +10,8 @@ import trio
 
 from objcache.cache.chunks import ChunkCache
 from objcache.cache.localfiles import LocalFiles
+from objcache.cache.pins import Pins
+from objcache.cache.router import ChunkRouter
 from objcache.cache.statedb import StateDB
 from objcache.errors import NoSpace
 from tests.helpers.memstore import MemoryStore
@@ -18,9 +20,11 @@ CS = 5 << 20
 
 
 def make(tmp_path: Path, store: MemoryStore, capacity: int = 100 << 20):  # type: ignore
+    """(db, the chunk router over its cache, the local files)."""
     db = StateDB(tmp_path / "state.db")
-    chunks = ChunkCache(db, tmp_path, capacity, CS, store)  # type: ignore[arg-type]
-    return db, chunks, LocalFiles(db, tmp_path, chunks)
+    cache = ChunkCache(db, tmp_path, capacity, CS, store)  # type: ignore[arg-type]
+    router = ChunkRouter(cache, Pins(cache))
+    return db, router, LocalFiles(db, tmp_path, cache, router)
 
 
 async def test_reads_are_exact_and_concurrent_reads_share_one_get(tmp_path):  # type: ignore
@@ -48,14 +52,14 @@ async def test_lru_eviction_keeps_under_capacity_and_index_survives(tmp_path):  
     db, chunks, _ = make(tmp_path, store, capacity=2 * CS)
     for k, e in etags.items():
         await chunks.read(k, e, CS, 0, 10)
-        assert chunks.used <= 2 * CS
-    assert not chunks.is_cached("o0", etags["o0"], 0)
-    assert chunks.is_cached("o3", etags["o3"], 0)
+        assert chunks.cache.used <= 2 * CS
+    assert not chunks.cache.cached("o0", etags["o0"], 0)
+    assert chunks.cache.cached("o3", etags["o3"], 0)
     await chunks.read("o2", etags["o2"], CS, 0, 1)  # o2 becomes most recent
-    chunks.flush_atimes()
+    chunks.cache.flush_atimes()
     db.close()
     _, chunks2, _ = make(tmp_path, store, capacity=2 * CS)
-    assert chunks2.chunk_count() == 2
+    assert chunks2.cache.chunk_count() == 2
     gets = store.calls["get"]
     await chunks2.read("o2", etags["o2"], CS, 0, CS)
     assert store.calls["get"] == gets

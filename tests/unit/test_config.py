@@ -82,3 +82,20 @@ def test_cluster_secret_and_listen_port_errors(tmp_path):  # type: ignore
             bind_listener(f"127.0.0.1:{port}")
     finally:
         taken.close()
+
+
+def test_replicas_from_the_command_line_and_a_config_file(tmp_path):  # type: ignore
+    """--replicas 3 (an int from argparse), "3" and 3 from TOML are all accepted."""
+    from objcache.cli import _parser, build_config
+
+    args = _parser().parse_args(["mount", "s3://b", str(tmp_path), "--replicas", "3"])
+    assert build_config(args).replicas == 3
+    conf = tmp_path / "c.toml"
+    conf.write_text("replicas = 2\n")
+    args = _parser().parse_args(["mount", "s3://b", str(tmp_path), "--config", str(conf)])
+    assert build_config(args).replicas == 2
+    cfg = MountConfig(bucket="b")
+    set_option(cfg, "replicas", "3", "test")
+    assert cfg.replicas == 3
+    with pytest.raises(UserError, match="expected an integer"):
+        set_option(cfg, "replicas", "two", "test")

@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from objcache.backend.local import LocalBackend
 from objcache.cache.chunks import ChunkCache
 from objcache.cache.localfiles import LocalFiles
+from objcache.cache.pins import Pins
+from objcache.cache.router import ChunkRouter
 from objcache.cache.statedb import StateDB
 from objcache.config import MountConfig
 from objcache.core.filesystem import (
@@ -37,11 +40,13 @@ async def env(tmp_path: Path) -> AsyncIterator[tuple[Filesystem, MemoryStore]]:
         store.put(f"d/{i:05d}", f"file {i}".encode() * 100)
     db = StateDB(tmp_path / "state.db")
     cfg = MountConfig(chunk_size=4 << 20, readahead=4 << 20)
-    chunks = ChunkCache(db, tmp_path, 1 << 30, cfg.chunk_size, store)  # type: ignore[arg-type]
-    fs = Filesystem(cfg, store, chunks, LocalFiles(db, tmp_path, chunks))  # type: ignore[arg-type]
+    cache = ChunkCache(db, tmp_path, 1 << 30, cfg.chunk_size, store)  # type: ignore[arg-type]
+    router = ChunkRouter(cache, Pins(cache))
+    local = LocalFiles(db, tmp_path, cache, router)
+    fs = Filesystem(cfg, LocalBackend(cfg, store, local), router, local)  # type: ignore[arg-type]
     store.delay = 0.001
     async with trio.open_nursery() as n:
-        await n.start(chunks.run)
+        await n.start(router.run)
         await n.start(fs.run)
         yield fs, store
         n.cancel_scope.cancel()

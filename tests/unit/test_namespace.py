@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from objcache.raft.state import ClusterState
+from objcache.entries import DirEntry, FileEntry, NsChange, ObjectRef, Tombstone
+from objcache.txn.state import ClusterState
 
 ATTRS = {"mode": 0o100644, "uid": 1, "gid": 1, "mtime": 5}
 
@@ -34,7 +35,7 @@ def test_create_unlink_and_exclusive_names() -> None:
     assert st.ns.get("d/") is None
     # An S3 object that is unlinked leaves a tombstone until write-back deletes it.
     assert run(st, n, op="ns.unlink", key="s3only", s3=True)["ok"]
-    assert st.ns.get("s3only")["t"] == "x"
+    assert isinstance(st.ns.get("s3only"), Tombstone)
     # A file unlinked elsewhere while open here does not come back at close.
     assert run(st, n, op="ns.commit", key="a", e=f(size=3, cid="c1"), must_exist=True)["ok"]
     assert run(st, n, op="ns.unlink", key="a")["ok"]
@@ -51,15 +52,17 @@ def test_directory_rename_moves_everything_at_once() -> None:
     r = run(st, n, op="ns.rename", src="src", dst="dst", dir=True, objects=objects,
             e=ATTRS)
     assert r["ok"]
-    live = {k: e["t"] for k, e in st.ns.entries.items()}
-    assert live == {"dst/new": "f", "dst/": "d", "dst/old1": "f", "dst/sub/old2": "f",
-                    "src/": "x", "src/old1": "x", "src/sub/old2": "x"}
-    assert st.ns.get("dst/old1")["base"] == ["src/old1", "e1", 10]
-    assert st.ns.get("dst/old1")["mode"] == 0o100600
+    live = {k: type(e) for k, e in st.ns.entries.items()}
+    assert live == {"dst/new": FileEntry, "dst/": DirEntry, "dst/old1": FileEntry,
+                    "dst/sub/old2": FileEntry, "src/": Tombstone, "src/old1": Tombstone,
+                    "src/sub/old2": Tombstone}
+    moved = st.ns.get("dst/old1")
+    assert isinstance(moved, FileEntry) and moved.base == ObjectRef("src/old1", "e1", 10)
+    assert moved.attrs.mode == 0o100600
     # The old objects must outlive the copies that read them.
     assert st.ns.referenced("src/old1") and not st.ns.referenced("dst/new")
     # Everything the command changed is reported to the node's caches, the move included.
-    assert ("src/", None, "dst/") in st.last_changes
+    assert NsChange("src/", None, moved=True) in st.last_changes
 
 
 def test_retry_applies_once_and_clean_checks_the_version() -> None:
@@ -67,13 +70,15 @@ def test_retry_applies_once_and_clean_checks_the_version() -> None:
     cmd = {"op": "ns.create", "key": "x", "e": f(), "tx": "same"}
     assert st.apply(cmd)["ok"]
     assert st.apply(cmd)["ok"]  # the retry gets the first result, not "exists"
-    ver = st.ns.get("x")["ver"]
+    ver = st.ns.get("x").ver  # type: ignore[union-attr]
     st.apply({"op": "ns.commit", "key": "x", "e": f(cid="c9", size=1), "tx": "w"})
     assert st.apply({"op": "ns.clean", "key": "x", "ver": ver, "tx": "c1"}) == {"ok": False}
-    ver2 = st.ns.get("x")["ver"]
+    ver2 = st.ns.get("x").ver  # type: ignore[union-attr]
     assert st.apply({"op": "ns.clean", "key": "x", "ver": ver2, "etag": "E",
                      "tx": "c2"}) == {"ok": True}
     assert st.ns.get("x") is None
+    # Cleaning tells the nodes which S3 version holds the file now.
+    assert st.last_changes == [NsChange("x", None, ObjectRef("x", "E", 1))]
 
 
 def test_malformed_rename_changes_nothing_and_states_agree() -> None:

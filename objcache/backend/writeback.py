@@ -1,4 +1,4 @@
-"""The flusher: uploads dirty local files to S3 after the write-back delay.
+"""The single-node write-back loop: uploads dirty local files to S3 after the delay.
 
 A file is due when nobody has it open for writing and it has not changed for
 `writeback_delay` seconds, or at once when fsync/flush/umount asks, or when dirty data
@@ -17,9 +17,10 @@ import trio
 
 from objcache.cache.localfiles import LocalFile, LocalFiles
 from objcache.config import MountConfig
-from objcache.core.inode import make_meta
+from objcache.entries import Attrs, FlushScope
 from objcache.errors import ObjcacheError, StoreError, first_error
 from objcache.store import ObjectStore
+from objcache.store.meta import make_meta
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,8 @@ class Writeback:
             while True:
                 self.local.changed = trio.Event()
                 now = time.monotonic()
-                cache = self.local.chunks
-                pressure = cache.used > _PRESSURE * cache.capacity
+                space = self.local.space
+                pressure = space.used > _PRESSURE * space.capacity
                 for lf in list(self.local.dirty_files()):
                     if self._due(lf, now, pressure):
                         self._running.add(lf.fid)
@@ -85,7 +86,7 @@ class Writeback:
             started = time.monotonic()
             try:
                 await self.local.materialize_all(lf)
-                meta = make_meta(lf.mode, lf.uid, lf.gid, lf.mtime_ns)
+                meta = make_meta(Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns))
                 etag = await self.store.put_file(key, lf.path, lf.size, meta,
                                                  self.local.cs)
             except ObjcacheError as e:
@@ -106,13 +107,17 @@ class Writeback:
             else:
                 log.debug("%r changed while uploading; it stays dirty", key)
 
-    async def flush(self, prefix: str | None = None, deadline: float | None = None) -> None:
-        """Return once nothing dirty is left under `prefix` (a key or key prefix; None or
-        '' means everything). Raises StoreError if an upload fails."""
+    async def flush(self, scope: FlushScope, deadline: float | None = None) -> int:
+        """Return once nothing dirty is left in `scope` ("mine" is everything: one node
+        owns it all); how many files were uploaded. Raises StoreError if an upload
+        fails."""
+        done: set[int] = set()
         while True:
-            todo = [lf for lf in self.local.dirty_files() if _under(lf.key, prefix)]
+            todo = [lf for lf in self.local.dirty_files()
+                    if scope.kind == "mine" or scope.covers(lf.key)]
             if not todo:
-                return
+                return len(done)
+            done |= {lf.fid for lf in todo}
             if deadline is not None and time.monotonic() > deadline:
                 raise StoreError(f"{len(todo)} files are still dirty after the flush timeout")
             for lf in todo:
@@ -127,6 +132,3 @@ class Writeback:
         async with self.uploads:
             await self.upload(lf, raise_errors=True)
 
-
-def _under(key: str, prefix: str | None) -> bool:
-    return not prefix or key == prefix or key.startswith(prefix.rstrip("/") + "/")

@@ -1,6 +1,6 @@
 """The follower side of append_entries as objcache runs it on top of pysyncobj 0.3.17
-(objcache/raft/node.py, `_Replica._follow`): Raft section 5.3 rules that pysyncobj alone
-breaks. A replica that never ticks is fed messages directly; its replies are recorded."""
+(objcache/raft/follower_fix.py): Raft section 5.3 rules that pysyncobj alone breaks. A
+replica that never ticks is fed messages directly; its replies are recorded."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from objcache.raft.node import _Replica, make_conf
+from objcache.txn.state import ClusterState
 from tests.helpers.cluster import free_port
 
 CMD = b"\x00cmd"  # a regular command (type byte 0); never applied here
@@ -22,7 +23,7 @@ class Follower:
         conf = make_conf(tmp, "secret")
         conf.autoTick, conf.journalFile, conf.fullDumpFile = False, None, None
         self.replica = _Replica(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"],
-                                conf)
+                                conf, ClusterState())
         self.leader = next(iter(self.replica._SyncObj__otherNodes))
         self.sent: list[dict[str, Any]] = []
         self.replica._SyncObj__transport.send = lambda node, msg: self.sent.append(msg)

@@ -1,0 +1,290 @@
+"""The cluster backend: every namespace change is a Raft transaction, closed files are
+replicated before close() returns, and each key's owner writes it back to S3.
+
+What a node shows is S3 (through objcache.txn.overlay, which hides what was deleted) plus
+the replicated namespace entries (objcache.txn.namespace): files closed but not uploaded,
+new directories, renamed trees. Every change here is one command (TxnClient.submit); S3 is
+brought up to date later by each key's owner (objcache.txn.flusher). Changes that other
+nodes commit reach the core through `take_changes`, in log order.
+
+close() of a written file seals its working copy into a blob, has `--replicas - 1` other
+nodes pull it, then commits the entry that names the blob and its holders: after close
+the file is on two nodes and every node opens the new content (close-to-open).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from objcache.backend.base import AttrsOf, Change, Moved, Stats
+from objcache.entries import (
+    Attrs,
+    DirEntry,
+    FileEntry,
+    FlushScope,
+    NsChange,
+    ObjectRef,
+    Tombstone,
+    to_wire,
+)
+from objcache.errors import Gone
+from objcache.store.meta import parse_meta
+from objcache.txn.flusher import ClusterFlusher
+from objcache.txn.overlay import OverlayStore
+
+if TYPE_CHECKING:
+    from objcache.cache.localfiles import LocalFile, LocalFiles
+    from objcache.config import MountConfig
+    from objcache.store import ObjectStore
+    from objcache.txn.coordinator import TxnClient
+    from objcache.txn.dirtystore import DirtyStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FILE_MODE = 0o100644
+DEFAULT_DIR_MODE = 0o040755
+
+# What the Raft group hands over per applied command: its namespace changes and the node
+# that made it (objcache.txn.state.applied_changes).
+Applied = tuple[list[NsChange], str | None]
+
+
+class ReplicatedBackend:
+    def __init__(self, cfg: MountConfig, s3: ObjectStore, txn: TxnClient, dirty: DirtyStore,
+                 local: LocalFiles, applied: trio.MemoryReceiveChannel[Applied]) -> None:
+        self.raw = s3  # S3 itself, for existence checks that must see tombstoned keys
+        self.store = OverlayStore(s3, txn)
+        self.txn = txn
+        self.dirty = dirty
+        self.local = local
+        self.flusher = ClusterFlusher(s3, txn, dirty, cfg.chunk_size, cfg.writeback_delay)
+        self._applied = applied
+        self._waiting: list[Applied] = []
+        self.uid, self.gid = os.getuid(), os.getgid()  # owner of objects without metadata
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        task_status.started()
+        await self.flusher.run()
+
+    # -- what is known beyond S3 ------------------------------------------------------------
+
+    def entry(self, key: str) -> FileEntry | DirEntry | None:
+        st = self.txn.state
+        with st.lock:
+            e = st.ns.get(key)
+        return None if e is None or isinstance(e, Tombstone) else e
+
+    def live_under(self, prefix: str) -> bool:
+        st = self.txn.state
+        with st.lock:
+            return st.ns.live_under(prefix)
+
+    def entries_under(self, prefix: str) -> list[tuple[str, FileEntry | DirEntry]]:
+        st = self.txn.state
+        with st.lock:
+            return [(k, e) for k, e in st.ns.under(prefix) if not isinstance(e, Tombstone)]
+
+    async def sync(self) -> bool:
+        await self.txn.barrier()
+        return True
+
+    def take_changes(self) -> list[Change]:
+        batches, self._waiting = self._waiting, []
+        while True:
+            try:
+                batches.append(self._applied.receive_nowait())
+            except trio.WouldBlock:
+                break
+        out: list[Change] = []
+        me = self.txn.node_id
+        for changes, by in batches:
+            for c in changes:
+                if c.uploaded is not None:
+                    out.append(Change(c.key, None, c.uploaded))
+                    continue
+                live = None if isinstance(c.entry, Tombstone) else c.entry
+                out.append(Change(c.key, live, None, ours=by == me))
+        return out
+
+    async def wait_changes(self) -> None:
+        if not self._waiting:
+            # Received first, appended after: take_changes may swap the list meanwhile.
+            item = await self._applied.receive()
+            self._waiting.append(item)
+
+    # -- namespace changes ------------------------------------------------------------------
+
+    async def _submit(self, cmd: dict[str, Any]) -> int:
+        """Commit one command; the log position it got (the entry's `ver`)."""
+        res = await self.txn.submit(cmd)
+        return int(res.get("ver", 0))
+
+    async def create(self, key: str, attrs: Attrs, excl: bool) -> FileEntry | None:
+        e = FileEntry(attrs, at=time.time())
+        ver = await self._submit({"op": "ns.create", "key": key, "e": to_wire(e),
+                                  "excl": excl})
+        return replace(e, ver=ver)
+
+    async def mkdir(self, key: str, attrs: Attrs) -> DirEntry | None:
+        e = DirEntry(attrs, at=time.time())
+        ver = await self._submit({"op": "ns.create", "key": key + "/", "e": to_wire(e)})
+        return replace(e, ver=ver)
+
+    async def symlink(self, key: str, target: bytes, attrs: Attrs) -> FileEntry | ObjectRef:
+        e = FileEntry(attrs, len(target), target=target, at=time.time())
+        ver = await self._submit({"op": "ns.create", "key": key, "e": to_wire(e)})
+        return replace(e, ver=ver)
+
+    async def _in_s3(self, key: str) -> bool:
+        """Whether S3 holds an object at `key` that is not already tombstoned."""
+        st = self.txn.state
+        with st.lock:
+            if isinstance(st.ns.get(key), Tombstone):
+                return False
+        return await self.raw.head(key) is not None
+
+    async def unlink(self, key: str, maybe_in_s3: bool) -> None:
+        await self.txn.submit({"op": "ns.unlink", "key": key, "s3": await self._in_s3(key)})
+
+    async def rmdir(self, key: str, maybe_in_s3: bool) -> None:
+        await self.txn.submit({"op": "ns.rmdir", "key": key + "/",
+                               "s3": await self._in_s3(key + "/")})
+
+    async def set_dir_attrs(self, key: str, attrs: Attrs) -> DirEntry | None:
+        e = DirEntry(attrs, at=time.time())
+        ver = await self._submit({"op": "ns.setdir", "key": key + "/", "e": to_wire(e)})
+        return replace(e, ver=ver)
+
+    async def set_file_attrs(self, key: str, current: FileEntry | ObjectRef, attrs: Attrs
+                             ) -> FileEntry | ObjectRef:
+        if isinstance(current, ObjectRef):
+            # A clean S3 file: it gets a server-side copy with the new metadata.
+            e = FileEntry(attrs, current.size, base=current, at=time.time())
+        else:
+            e = replace(current, attrs=attrs, at=time.time(), ver=0)
+        ver = await self._submit({"op": "ns.commit", "key": key, "e": to_wire(e),
+                                  "must_exist": isinstance(current, FileEntry)})
+        return replace(e, ver=ver)
+
+    async def rename(self, src: str, dst: str, is_dir: bool, replaces_dir: bool,
+                     noreplace: bool, dir_attrs: Attrs | None, attrs_of: AttrsOf
+                     ) -> list[Moved]:
+        lf = self.local.by_key.get(src)
+        if lf is not None and lf.dirty:
+            await self.close(src, lf)  # what moves is what was written so far
+        objects = await self._s3_objects(src, is_dir, attrs_of)
+        d = dir_attrs
+        await self.txn.submit({
+            "op": "ns.rename", "src": src, "dst": dst, "dir": is_dir, "objects": objects,
+            "noreplace": noreplace, "at": time.time(),
+            "e": {"mode": d.mode, "uid": d.uid, "gid": d.gid, "mtime": d.mtime_ns}
+            if d is not None else None})
+        dlf = self.local.by_key.get(dst)
+        if dlf is not None and not replaces_dir:
+            self.local.remove(dlf)
+        for k in [k for k in self.local.by_key if k == src or k.startswith(src + "/")]:
+            self.local.rekey(self.local.by_key[k], dst + k[len(src):])
+        return []  # S3 follows at write-back
+
+    async def _s3_objects(self, src: str, is_dir: bool, attrs_of: AttrsOf
+                          ) -> list[list[Any]]:
+        """The S3 objects a rename of `src` moves, with their attributes
+        ([key, etag, size, mode, uid, gid, mtime_ns])."""
+        if not is_dir:
+            if not await self._in_s3(src):
+                return []
+            info = await self.raw.head(src)
+            if info is None:
+                return []
+            a = parse_meta(info.metadata or {}, DEFAULT_FILE_MODE, self.uid, self.gid,
+                           info.mtime_ns)
+            return [[src, info.etag, info.size, a.mode, a.uid, a.gid, a.mtime_ns]]
+        out: list[list[Any]] = []
+        async for o in self.store.list_recursive(src + "/"):
+            # A LIST has no metadata: the entry shows what we know, or defaults (copies
+            # keep the object's own at write-back).
+            a = attrs_of(o.key) or Attrs(
+                DEFAULT_DIR_MODE if o.key.endswith("/") else DEFAULT_FILE_MODE, self.uid,
+                self.gid, o.mtime_ns)
+            out.append([o.key, o.etag, o.size, a.mode, a.uid, a.gid, a.mtime_ns])
+        return out
+
+    # -- working copies -----------------------------------------------------------------------
+
+    async def working_attrs_changed(self, lf: LocalFile) -> ObjectRef | None:
+        self.local.mark_dirty(lf)  # committed with the content at close
+        return None
+
+    async def close(self, key: str, lf: LocalFile) -> FileEntry | None:
+        """Seal the content, replicate it, commit it (close() returns after)."""
+        async with lf.lock:
+            if not lf.dirty or lf.removed:
+                return None
+            version = lf.version
+            await self.local.materialize_all(lf)
+            cid = self.txn.new_cid()
+            self.dirty.seal(cid, lf.path, lf.size)
+            lf.shared = True
+            holders = await self.txn.replicate(lf.key, cid, lf.size)
+            e = FileEntry(Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns), lf.size, cid,
+                          tuple(holders), at=time.time())
+            try:
+                ver = await self._submit({"op": "ns.commit", "key": lf.key,
+                                          "e": to_wire(e),
+                                          "must_exist": self.entry(lf.key) is not None})
+            except Gone:
+                log.info("%r was removed by another node while open here", lf.key)
+                lf.dirty = False
+                self.dirty.drop(cid)
+                return None
+            if lf.version == version:
+                lf.dirty = False
+                lf.dirty_since = None
+                self.local.save(lf)
+            return replace(e, ver=ver)
+
+    async def fsync(self, key: str, lf: LocalFile) -> FileEntry | ObjectRef | None:
+        """In a cluster, durable = replicated and committed (upload is the owner's)."""
+        return await self.close(key, lf)
+
+    def released(self, lf: LocalFile) -> None:
+        if not lf.dirty and lf.opens == 0:
+            self.local.remove(lf)  # the sealed blob keeps the content
+
+    async def read_blob(self, e: FileEntry, offset: int, length: int) -> bytes:
+        assert e.cid is not None
+        return await self.txn.read_blob(e.cid, list(e.holders), offset, length)
+
+    # -- write-back -------------------------------------------------------------------------
+
+    async def flush(self, scope: FlushScope) -> int:
+        return await self.flusher.flush(scope)
+
+    async def drain(self) -> int:
+        n = await self.flusher.flush(FlushScope.mine())
+        if len(self.txn.node.membership.ring) <= 1:
+            # The last node: everything is ours (scale to zero).
+            n += await self.flusher.flush(FlushScope.everything())
+        return n
+
+    def stats(self) -> Stats:
+        files, nbytes, oldest = self.flusher.dirty_summary()
+        return Stats(files, nbytes, oldest, self.flusher.uploaded, self.flusher.failed)
+
+
+def applied_changes(state: Any, cmd: dict[str, Any]) -> Applied | None:
+    """On the Raft thread, after each applied command: what it changed in the namespace
+    and who made it (for RaftGroup's `applied` channel)."""
+    changes = state.last_changes
+    if not changes:
+        return None
+    by = cmd.get("by")
+    return list(changes), by if isinstance(by, str) else None
+

@@ -1,0 +1,116 @@
+"""Chunk placement in a cluster: who owns a chunk, and asking owners for chunks.
+
+Implements the chunk cache's `Placement` (objcache.cache.router) and `PreviousOwners`
+(objcache.cache.chunks) over the membership ring and peer requests. A peer that cannot
+answer makes these return None, and the cache falls back to S3.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import trio
+
+from objcache.cluster.ring import chunk_point
+
+if TYPE_CHECKING:
+    from objcache.cluster.client import PeerClient
+    from objcache.cluster.membership import Membership
+
+log = logging.getLogger(__name__)
+
+MAX_PREFETCH_ITEMS = 4096
+PREFETCH_TIMEOUT = 3600.0  # an owner fetching thousands of chunks; cancelled if it dies
+WARM_AGAIN = 10.0  # seconds before the same chunk is worth warming at its owner again
+WARMED_KEPT = 4096
+
+
+class ChunkPlacement:
+    def __init__(self, membership: Membership, client: PeerClient, chunk_size: int,
+                 request_timeout: float) -> None:
+        self.membership = membership
+        self.client = client
+        self.node_id = membership.me.id
+        self.chunk_size = chunk_size
+        self.request_timeout = request_timeout
+        self._warmed: OrderedDict[tuple[str, str, int], float] = OrderedDict()
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Own the nursery of fire-and-forget readahead requests."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def owner(self, key: str, etag: str, idx: int) -> str | None:
+        node = self.membership.owner(chunk_point(key, etag, idx))
+        return None if node == self.node_id else node
+
+    async def read(self, owner: str, key: str, etag: str, obj_size: int, idx: int,
+                   start: int, length: int) -> bytes | None:
+        got = await self.client.call(owner, {"op": "read", "key": key, "etag": etag,
+                                             "size": obj_size, "idx": idx, "start": start,
+                                             "len": length},
+                                     max_data=length, timeout=self.request_timeout)
+        return None if got is None or got[1] is None else bytes(got[1])
+
+    async def fetch(self, owner: str, key: str, etag: str, obj_size: int, idx: int
+                    ) -> bytes | None:
+        got = await self.client.call(owner, {"op": "chunk", "key": key, "etag": etag,
+                                             "size": obj_size, "idx": idx},
+                                     max_data=self.chunk_size, timeout=self.request_timeout)
+        return None if got is None or got[1] is None else bytes(got[1])
+
+    async def from_previous(self, key: str, etag: str, obj_size: int, idx: int
+                            ) -> bytes | None:
+        for m in self.membership.previous_owners(chunk_point(key, etag, idx)):
+            got = await self.client.call(m.id, {"op": "chunk", "key": key, "etag": etag,
+                                                "size": obj_size, "idx": idx,
+                                                "cached_only": True},
+                                         max_data=self.chunk_size,
+                                         timeout=self.request_timeout)
+            if got is not None and got[1] is not None:
+                log.debug("chunk %d of %r came from previous owner %s", idx, key, m.id)
+                return bytes(got[1])
+        return None
+
+    def readahead(self, owner: str, key: str, etag: str, obj_size: int, idxs: list[int]
+                  ) -> None:
+        # A sequential reader asks on every read; tell each owner about a chunk once.
+        now = time.monotonic()
+        fresh = [i for i in idxs if now - self._warmed.get((key, etag, i), -WARM_AGAIN) >=
+                 WARM_AGAIN]
+        if not fresh or self._nursery is None:
+            return
+        for i in fresh:
+            self._warmed[(key, etag, i)] = now
+            self._warmed.move_to_end((key, etag, i))
+        while len(self._warmed) > WARMED_KEPT:
+            self._warmed.popitem(last=False)
+        self._nursery.start_soon(self.client.call, owner,
+                                 {"op": "warm", "key": key, "etag": etag, "size": obj_size,
+                                  "idx": fresh[0], "idxs": fresh}, 0, 5.0)
+
+    async def ensure_remote(self, owner: str, items: list[tuple[str, str, int, int]],
+                            pin: bool) -> list[str] | None:
+        results: list[str] = []
+        for start in range(0, len(items), MAX_PREFETCH_ITEMS):
+            part = items[start:start + MAX_PREFETCH_ITEMS]
+            got = await self.client.call(owner, {"op": "prefetch",
+                                                 "items": [list(i) for i in part],
+                                                 "pin": pin},
+                                         max_data=0, timeout=PREFETCH_TIMEOUT)
+            res = None if got is None else got[0].get("results")
+            if not (isinstance(res, list) and len(res) == len(part)
+                    and all(isinstance(r, str) for r in res)):
+                return None
+            results += res
+        return results

@@ -1,0 +1,91 @@
+"""Corrections to pysyncobj 0.3.17's Raft follower, as a mixin of the SyncObj subclass.
+
+Upstream behaviour replaced, and why (both reproduced by tests/integration/test_raft.py,
+a leader killed with kill -9 under load; unit tests in tests/unit/test_raft_follower_fix.py
+feed a non-ticking member crafted messages):
+
+1. `__onMessageReceived` (append_entries): pysyncobj deletes every entry after prevLogIdx
+   whenever it holds more than the message covers, even entries it already applied
+   ("truncating already-applied log entries ... may have diverged"). With pipelined
+   appends and resends after a leader change that is most messages. Raft (section 5.3)
+   deletes only entries that conflict. Here each message first loses the leading entries
+   we already hold (same index and term); if nothing new is left, our log is left alone,
+   and we acknowledge only what is verified (the message's end, or our whole log when its
+   tail is the sender's own term: a leader never rewrites its own term), with the commit
+   index capped to that point so an unverified tail is never applied.
+2. `__sendNextNodeIdx` (the rejection): rejecting a message whose prevLogIdx is beyond its
+   log, pysyncobj asks for "my last index + 1" even when that tail is another term's and
+   conflicts; rejecting a mismatch it asks for prevLogIdx. The leader pipelines several
+   messages per tick, so the two answers alternate forever and a restarted old leader
+   never catches up (seen as clients stalled for minutes). A rejection here asks for our
+   commit index + 1 when our tail is not the leader's term: committed entries never
+   conflict, and resent entries are trimmed as in 1.
+
+Snapshot and chunked ("transmission") messages go to pysyncobj unchanged; objcache keeps
+commands out of the chunked path (appendEntriesBatchSizeBytes, objcache/raft/node.py).
+The names below are pysyncobj's private (name-mangled) methods: the pin on
+pysyncobj==0.3.17 in pyproject.toml is what makes overriding them safe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pysyncobj import SyncObj
+
+
+class FollowerFix:
+    """Mix in before SyncObj: `class Replica(FollowerFix, SyncObj)`."""
+
+    _ack_limit: int | None = None  # see _follow
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> Any:
+        self._ack_limit = None
+        if (isinstance(message, dict) and message.get("type") == "append_entries"
+                and "prevLogIdx" in message and message.get("transmission") is None):
+            message = self._follow(message)
+        try:
+            return SyncObj._SyncObj__onMessageReceived(self, node, message)  # type: ignore
+        finally:
+            self._ack_limit = None
+
+    def _follow(self, message: dict[str, Any]) -> dict[str, Any]:
+        get = self._SyncObj__getEntries  # type: ignore[attr-defined]
+        prev = get(message["prevLogIdx"], 1)
+        if not prev or prev[0][2] != message["prevLogTerm"]:
+            return message  # rejected by pysyncobj; the answer is fixed in __sendNextNodeIdx
+        entries = message.get("entries") or []
+        known = 0
+        for _, idx, term in entries:
+            mine = get(idx, 1)
+            if not mine or mine[0][2] != term:
+                break
+            known += 1
+        if known < len(entries):
+            if known == 0:
+                return message
+            _, last_idx, last_term = entries[known - 1]
+            return dict(message, entries=entries[known:], prevLogIdx=last_idx,
+                        prevLogTerm=last_term)
+        verified = entries[-1][1] if entries else message["prevLogIdx"]
+        _, my_last, my_term = self._SyncObj__raftLog[-1]  # type: ignore[attr-defined]
+        if my_last == verified or my_term == message["term"]:
+            return dict(message, entries=[], prevLogIdx=my_last, prevLogTerm=my_term)
+        # Our tail is another term's: keep it (it may be committed), but neither
+        # acknowledge nor commit past what this message verified.
+        self._ack_limit = verified + 1
+        return dict(message, entries=[], prevLogIdx=my_last, prevLogTerm=my_term,
+                    commit_index=min(message["commit_index"], verified))
+
+    def _SyncObj__sendNextNodeIdx(self, node: Any, reset: bool = False,
+                                  nextNodeIdx: int | None = None,
+                                  success: bool = False) -> Any:
+        if success and self._ack_limit is not None:
+            nextNodeIdx = self._ack_limit
+        elif reset and not success:
+            _, my_last, my_term = self._SyncObj__raftLog[-1]  # type: ignore[attr-defined]
+            if my_term != self._SyncObj__raftCurrentTerm:  # type: ignore[attr-defined]
+                asked = my_last + 1 if nextNodeIdx is None else nextNodeIdx
+                nextNodeIdx = min(asked, self._SyncObj__raftCommitIndex + 1)  # type: ignore
+        return SyncObj._SyncObj__sendNextNodeIdx(self, node, reset=reset,  # type: ignore
+                                                 nextNodeIdx=nextNodeIdx, success=success)

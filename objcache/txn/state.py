@@ -1,0 +1,104 @@
+"""The replicated state of a cluster: what every Raft member applies, in log order.
+
+It is deterministic and knows nothing of Raft: the same commands in the same order give
+the same state and the same digest on every node (tests drive it directly). Commands are
+msgpack maps with an `op` and, for exactly-once application, a transaction id `tx`: a
+command whose id was applied already returns the first result again instead of applying
+twice, so a client may retry a command whose reply it lost.
+
+State: the cluster's members (`member`) and the namespace overlay (objcache.txn.namespace:
+dirty files, new directories, pending deletes and renames), whose commands are the `ns.*`
+ops. After each command, `last_changes` holds what it changed in the namespace, for the
+hook that updates this node's caches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import msgpack
+
+from objcache.entries import NsChange, to_wire
+from objcache.txn.namespace import Namespace
+
+MAX_REMEMBERED_TX = 100_000  # ids of applied transactions kept for retries
+
+_NS_OPS = {"noop", "create", "commit", "setdir", "unlink", "rmdir", "rename", "clean",
+           "holders"}
+
+
+class ClusterState:
+    def __init__(self) -> None:
+        self.members: dict[str, dict[str, Any]] = {}
+        self.applied = 0
+        self.ns = Namespace()
+        self._tx: OrderedDict[str, Any] = OrderedDict()
+        self.last_changes: list[NsChange] = []
+        # Raft applies on its own thread while trio reads: one lock around both.
+        self.lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # Raft snapshots pickle the state
+        with self.lock:
+            d = dict(self.__dict__)
+        del d["lock"]
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self.lock = threading.Lock()
+
+    # -- applying --------------------------------------------------------------------------
+
+    def apply(self, cmd: dict[str, Any]) -> Any:
+        with self.lock:
+            self.ns.changes = []
+            result = self._apply(cmd)
+            self.last_changes, self.ns.changes = self.ns.changes, []
+        return result
+
+    def _apply(self, cmd: dict[str, Any]) -> Any:
+        tx = cmd.get("tx")
+        if tx is not None:
+            if not isinstance(tx, str):
+                return {"error": "malformed command: tx must be a string"}
+            if tx in self._tx:
+                return self._tx[tx]
+        op = cmd.get("op")
+        try:
+            if op == "member":
+                result: Any = self._member(cmd)
+            elif isinstance(op, str) and op.startswith("ns.") and op[3:] in _NS_OPS:
+                result = self.ns.apply(op[3:], cmd, self.applied + 1)
+            else:
+                result = {"error": f"unknown op {op!r}"}
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            result = {"error": f"malformed {op}: {e}"}
+        self.applied += 1
+        if tx is not None:
+            self._tx[tx] = result
+            while len(self._tx) > MAX_REMEMBERED_TX:
+                self._tx.popitem(last=False)
+        return result
+
+    def _member(self, cmd: dict[str, Any]) -> Any:
+        node = str(cmd["node"])
+        if cmd.get("remove"):
+            self.members.pop(node, None)
+        else:
+            self.members[node] = {"addr": str(cmd["addr"]), "cap": int(cmd["cap"])}
+        return {"ok": True}
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def digest(self) -> str:
+        """A fingerprint of the whole state, equal on nodes that applied the same log."""
+        with self.lock:
+            members = sorted(self.members.items())
+            entries = sorted((k, sorted(to_wire(e).items()))
+                             for k, e in self.ns.entries.items())
+            applied = self.applied
+        blob = msgpack.packb([members, entries, applied], use_bin_type=True)
+        return hashlib.sha256(blob).hexdigest()

@@ -1,0 +1,378 @@
+"""The filesystem core's POSIX behaviour, one test body for both backends: a single node
+(LocalBackend) and a cluster of two in-process members forming a real Raft group
+(ReplicatedBackend), both over an in-memory store. Built by the daemon's own assembly
+(objcache.daemon.build), driven without FUSE through tests/helpers/inproc.Posix.
+
+In the cluster, `env.b` is the other member: what one node changes, the other must show
+(after its own open or lookup; the kernel's caches are not in play here). The real-mount
+versions of these cases are tests/integration/test_posix.py."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+
+from objcache.core.filesystem import RENAME_EXCHANGE, RENAME_NOREPLACE
+from objcache.entries import FlushScope
+from objcache.errors import ObjcacheError
+from tests.helpers.inproc import MiB, Posix, cluster, config, node, now
+from tests.helpers.memstore import MemoryStore
+
+
+@dataclass
+class Env:
+    kind: str
+    a: Posix
+    b: Posix
+    store: MemoryStore
+
+    async def flush(self, key: str = "") -> int:
+        return await self.a.fs.flush_scope(FlushScope.under(key))
+
+    async def settle(self) -> None:
+        """B catches up with what A committed. A stat or a name found on B may lag A by
+        the milliseconds until B applies the change (an open, and a lookup that finds
+        nothing, catch up first); the FUSE tests wait for it the same way."""
+        await self.b.fs.sync()
+
+
+@pytest.fixture(params=["local", "replicated"])
+async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Env]:
+    store = MemoryStore()
+    if request.param == "local":
+        async with node(config(), store, tmp_path / "node") as p:
+            yield Env("local", Posix(p.fs), Posix(p.fs), store)
+    else:
+        async with cluster(store, tmp_path, 2) as (p0, p1):
+            yield Env("replicated", Posix(p0.fs), Posix(p1.fs), store)
+
+
+def errno_of(exc: pytest.ExceptionInfo[ObjcacheError]) -> int:
+    return exc.value.errno
+
+
+async def test_create_write_read_and_attributes(env: Env) -> None:
+    data = os.urandom(3 * MiB + 17)
+    await env.a.write("f.bin", data, mode=0o640)
+    for p in (env.a, env.b):
+        assert await p.read("f.bin") == data
+        a = await p.stat("f.bin")
+        assert a.size == len(data) and stat.S_IMODE(a.mode) == 0o640
+        assert stat.S_ISREG(a.mode) and a.uid == os.getuid() and a.nlink == 1
+    assert await env.flush() >= 1
+    assert env.store.objects["f.bin"][0] == data
+    assert int(env.store.objects["f.bin"][1]["mode"]) == stat.S_IFREG | 0o640
+
+
+async def test_s3_objects_and_metadata_are_shown(env: Env) -> None:
+    env.store.put("d/x", b"xx", {"mode": str(stat.S_IFREG | 0o600), "uid": "7",
+                                 "gid": "8", "mtime": "1600000000"})
+    env.store.put("d/link", b"x", {"mode": str(stat.S_IFLNK | 0o777)})
+    env.store.put("d/sub/y", b"y")
+    for p in (env.a, env.b):
+        assert sorted(await p.listdir("d")) == ["link", "sub", "x"]
+        a = await p.stat("d/x")
+        assert (stat.S_IMODE(a.mode), a.uid, a.gid, a.mtime_ns) == (0o600, 7, 8,
+                                                                     1600000000 * 10**9)
+        assert await p.readlink("d/link") == "x"
+        assert stat.S_ISDIR((await p.stat("d/sub")).mode)
+        assert await p.read("d/sub/y") == b"y"
+
+
+async def test_mkdir_rmdir_and_their_errors(env: Env) -> None:
+    a, b = env.a, env.b
+    await a.mkdir("d", 0o750)
+    await env.settle()
+    assert stat.S_IMODE((await b.stat("d")).mode) == 0o750
+    with pytest.raises(ObjcacheError) as e:
+        await b.mkdir("d")
+    assert errno_of(e) == errno.EEXIST
+    await b.write("d/f", b"x")
+    with pytest.raises(ObjcacheError) as e:
+        await a.rmdir("d")
+    assert errno_of(e) == errno.ENOTEMPTY
+    with pytest.raises(ObjcacheError) as e:
+        await a.rmdir("d/f")
+    assert errno_of(e) == errno.ENOTDIR
+    with pytest.raises(ObjcacheError) as e:
+        await a.unlink("d")
+    assert errno_of(e) == errno.EISDIR
+    with pytest.raises(ObjcacheError) as e:
+        await a.mkdir("d/f/x")
+    assert errno_of(e) == errno.ENOTDIR
+    await b.unlink("d/f")
+    await a.rmdir("d")
+    await env.settle()
+    for p in (a, b):
+        assert not await p.exists("d")
+    with pytest.raises(ObjcacheError) as e:
+        await a.rmdir("d")
+    assert errno_of(e) == errno.ENOENT
+    await env.flush()
+    assert "d/" not in env.store.objects
+
+
+async def test_names(env: Env) -> None:
+    for bad in ("a/b", "", ".", ".."):
+        with pytest.raises(ObjcacheError) as e:
+            await env.a.fs.mkdir(1, bad, 0o755, 0, 0)
+        assert errno_of(e) == errno.EINVAL
+    with pytest.raises(ObjcacheError) as e:
+        await env.a.fs.lookup(1, b"\xff\xfe")
+    assert errno_of(e) == errno.EINVAL
+    with pytest.raises(ObjcacheError) as e:
+        await env.a.mkdir("n" * 1100)
+    assert errno_of(e) == errno.ENAMETOOLONG
+    await env.a.write("ünï cødé + space", b"u")
+    assert await env.b.read("ünï cødé + space") == b"u"
+
+
+async def test_rename_files_and_directories(env: Env) -> None:
+    a, b = env.a, env.b
+    env.store.put("clean", b"clean")
+    for i in range(3):
+        env.store.put(f"tree/sub/f{i}", str(i).encode())
+    await a.write("dirty", b"dirty")
+    await a.rename("clean", "moved")
+    await a.rename("dirty", "tree/sub/dirty")
+    await a.mkdir("other")
+    await a.rename("tree", "other/tree2")
+    await env.settle()
+    for p in (a, b):
+        assert not await p.exists("clean") and not await p.exists("tree")
+        assert await p.read("moved") == b"clean"
+        assert sorted(await p.listdir("other/tree2/sub")) == ["dirty", "f0", "f1", "f2"]
+        assert await p.read("other/tree2/sub/dirty") == b"dirty"
+        assert await p.read("other/tree2/sub/f1") == b"1"
+    await env.flush()
+    keys = set(env.store.objects)
+    assert {"moved", "other/tree2/sub/dirty", "other/tree2/sub/f0"} <= keys
+    assert not {k for k in keys if k.startswith("tree/") or k in ("clean", "dirty")}
+
+
+async def test_rename_rules(env: Env) -> None:
+    a, b = env.a, env.b
+    await a.write("f", b"f")
+    await a.write("g", b"g")
+    await a.mkdir("d")
+    await a.mkdir("e")
+    await a.write("e/x", b"x")
+    cases = [("f", "g", RENAME_NOREPLACE, errno.EEXIST),
+             ("f", "g", RENAME_EXCHANGE, errno.EINVAL),
+             ("f", "d", 0, errno.EISDIR),
+             ("d", "f", 0, errno.ENOTDIR),
+             ("d", "e", 0, errno.ENOTEMPTY),
+             ("d", "d/inside", 0, errno.EINVAL),
+             ("missing", "z", 0, errno.ENOENT)]
+    for old, new, flags, code in cases:
+        with pytest.raises(ObjcacheError) as e:
+            await a.rename(old, new, flags)
+        assert errno_of(e) == code, (old, new, flags)
+    await a.rename("f", "f")  # to itself: nothing happens
+    await a.rename("f", "g")  # replaces a file
+    await env.settle()
+    assert await b.read("g") == b"f" and not await b.exists("f")
+    await a.unlink("e/x")
+    await a.rename("d", "e")  # replaces an empty directory
+    await env.settle()
+    assert stat.S_ISDIR((await b.stat("e")).mode) and not await b.exists("d")
+
+
+async def test_symlinks(env: Env) -> None:
+    await env.a.write("target", b"t")
+    await env.a.symlink("ln", "target")
+    await env.settle()
+    a = await env.b.stat("ln")
+    assert stat.S_ISLNK(a.mode) and a.size == len("target")
+    assert await env.b.readlink("ln") == "target"
+    with pytest.raises(ObjcacheError) as e:
+        await env.a.readlink("target")
+    assert errno_of(e) == errno.EINVAL
+    with pytest.raises(ObjcacheError) as e:
+        await env.b.symlink("ln", "elsewhere")
+    assert errno_of(e) == errno.EEXIST
+    await env.flush()
+    assert env.store.objects["ln"][0] == b"target"
+
+
+async def test_truncate_sizes_zeros_and_times(env: Env) -> None:
+    """truncate() and ftruncate() change the size, read back zeros past the old end, and
+    move mtime (the cluster used to keep the old mtime)."""
+    base = os.urandom(3 * MiB)
+    env.store.put("t.bin", base)
+    old = 1_000_000_000
+    await env.a.utime("t.bin", old)
+    t0 = now()
+    await env.a.truncate("t.bin", MiB + 5)
+    await env.a.truncate("t.bin", 2 * MiB)
+    await env.settle()
+    for p in (env.a, env.b):
+        a = await p.stat("t.bin")
+        assert a.size == 2 * MiB and a.mtime_ns >= int(t0 * 1e9) - 10**9, (p, a)
+        assert await p.read("t.bin") == base[:MiB + 5] + bytes(MiB - 5)
+    await env.a.utime("t.bin", old)
+    fh = await env.a.open("t.bin", os.O_RDWR)
+    await env.a.fs.setattr(await env.a.ino("t.bin"), size=10, fh=fh)
+    await env.a.close(fh)
+    await env.settle()
+    for p in (env.a, env.b):
+        a = await p.stat("t.bin")
+        assert a.size == 10 and a.mtime_ns > old * 10**9
+        assert await p.read("t.bin") == base[:10]
+    await env.a.mkdir("dir")
+    with pytest.raises(ObjcacheError) as e:
+        await env.a.truncate("dir", 0)
+    assert errno_of(e) == errno.EISDIR
+
+
+async def test_o_trunc_without_a_write_empties_the_file(env: Env) -> None:
+    """open(O_TRUNC) and close() with nothing written: empty everywhere, mtime moved."""
+    await env.a.write("f", b"old bytes")
+    await env.a.utime("f", 1_000_000_000)
+    fh = await env.b.open("f", os.O_WRONLY | os.O_TRUNC)
+    await env.b.close(fh)
+    await env.a.fs.sync()
+    for p in (env.a, env.b):
+        a = await p.stat("f")
+        assert a.size == 0 and a.mtime_ns > 1_000_000_000 * 10**9, a
+        assert await p.read("f") == b""
+    await env.flush()
+    assert env.store.objects["f"][0] == b""
+
+
+async def test_unlink_of_an_open_dirty_file_keeps_its_data(env: Env) -> None:
+    """The open descriptor keeps the data until the last close; nothing reaches S3."""
+    fh = await env.a.create("open.txt")
+    await env.a.fs.write(fh, 0, b"Hello")
+    await env.a.fs.flush(fh)
+    ino = await env.a.ino("open.txt")
+    await env.a.unlink("open.txt")
+    await env.settle()
+    for p in (env.a, env.b):
+        assert not await p.exists("open.txt")
+    assert await env.a.fs.read(fh, 0, 100) == b"Hello"
+    a = await env.a.fs.getattr(ino)
+    assert a.size == 5 and a.nlink == 0
+    await env.a.fs.write(fh, 5, b", world")
+    assert await env.a.fs.read(fh, 0, 100) == b"Hello, world"
+    assert (await env.a.fs.getattr(ino)).size == 12
+    await env.a.close(fh)
+    await env.flush()
+    assert "open.txt" not in env.store.objects
+
+
+async def test_attributes_change_and_reach_s3(env: Env) -> None:
+    env.store.put("clean", b"c")
+    await env.a.write("dirty", b"d")
+    for path in ("clean", "dirty"):
+        await env.a.chmod(path, 0o600)
+        await env.a.chown(path, 1234, 4321)
+        await env.a.utime(path, 1_500_000_000)
+        await env.settle()
+        for p in (env.a, env.b):
+            a = await p.stat(path)
+            assert (stat.S_IMODE(a.mode), a.uid, a.gid, a.mtime_ns) == \
+                (0o600, 1234, 4321, 1_500_000_000 * 10**9), (path, a)
+    await env.a.mkdir("d")
+    await env.a.chmod("d", 0o700)
+    await env.settle()
+    assert stat.S_IMODE((await env.b.stat("d")).mode) == 0o700
+    await env.flush()
+    for path in ("clean", "dirty"):
+        meta = env.store.objects[path][1]
+        assert (int(meta["mode"]) & 0o777, meta["uid"], meta["gid"], meta["mtime"]) == \
+            (0o600, "1234", "4321", "1500000000")
+    assert int(env.store.objects["d/"][1]["mode"]) & 0o777 == 0o700
+    assert env.store.objects["clean"][0] == b"c"
+
+
+async def test_partial_write_to_a_large_object(env: Env) -> None:
+    base = bytearray(os.urandom(5 * MiB))
+    env.store.put("big", bytes(base))
+    fh = await env.a.open("big", os.O_RDWR)
+    await env.a.fs.write(fh, 3 * MiB + 3, b"PATCH")
+    await env.a.close(fh)
+    base[3 * MiB + 3:3 * MiB + 8] = b"PATCH"
+    assert await env.b.read("big") == bytes(base)
+    await env.flush()
+    assert env.store.objects["big"][0] == bytes(base)
+
+
+async def test_fsync_makes_the_file_durable(env: Env) -> None:
+    fh = await env.a.create("s")
+    await env.a.fs.write(fh, 0, b"synced")
+    await env.a.fs.fsync(fh)
+    if env.kind == "local":
+        assert env.store.objects["s"][0] == b"synced"  # one node: durable = in S3
+    else:
+        assert await env.b.read("s") == b"synced"  # a cluster: replicated and committed
+    await env.a.fs.release(fh)
+
+
+async def test_flush_of_one_path_flushes_that_path(env: Env) -> None:
+    """A flush names its target by key; no file name is a keyword ("mine", "all")."""
+    for name in ("mine", "all", "other"):
+        await env.a.write(name, name.encode())
+    assert await env.flush("mine") == 1
+    assert "mine" in env.store.objects and "all" not in env.store.objects
+    await env.flush("all")
+    assert "all" in env.store.objects and "other" not in env.store.objects
+    await env.a.mkdir("sub")
+    await env.a.write("sub/x", b"x")
+    await env.a.write("subway", b"w")
+    await env.flush("sub")
+    assert "sub/x" in env.store.objects and "subway" not in env.store.objects
+
+
+async def test_close_to_open_across_nodes(env: Env) -> None:
+    """After close() returns on A, an open on B shows the new size and bytes (no wait)."""
+    await env.a.write("c2o", b"v1")
+    assert await env.b.read("c2o") == b"v1"
+    ino = await env.b.ino("c2o")
+    for i in range(5):
+        data = os.urandom(1000 + i * 100_000)
+        await env.a.write("c2o", data)
+        fh = await env.b.open("c2o")
+        assert (await env.b.fs.getattr(ino)).size == len(data)
+        assert await env.b.pread(fh, 0, 1 << 30) == data
+        await env.b.fs.release(fh)
+
+
+async def test_a_changed_object_is_seen_after_the_ttl(env: Env, tmp_path: Path) -> None:
+    env.store.put("v", b"one")
+    ttl = env.a.fs.ttl
+    assert await env.a.read("v") == b"one"
+    env.store.put("v", b"two, longer")
+    env.a.fs.ttl = 0.2  # (the mount flag --metadata-ttl)
+    try:
+        await trio.sleep(0.3)
+        assert await env.a.read("v") == b"two, longer"
+        del env.store.objects["v"]
+        await trio.sleep(0.3)
+        assert not await env.a.exists("v")
+    finally:
+        env.a.fs.ttl = ttl
+
+
+async def test_read_only_mount_refuses_changes(tmp_path: Path) -> None:
+    store = MemoryStore()
+    store.put("f", b"f")
+    async with node(config(read_only=True), store, tmp_path / "ro") as p:
+        fs = Posix(p.fs)
+        assert await fs.read("f") == b"f"
+        for call in (fs.mkdir("d"), fs.unlink("f"), fs.truncate("f", 0), fs.write("g", b"")):
+            with pytest.raises(ObjcacheError) as e:
+                await call
+            assert errno_of(e) == errno.EROFS
+
+
+async def test_statfs(env: Env) -> None:
+    s = env.a.fs.statfs()
+    assert s["namemax"] == 255 and s["blocks"] >= s["bfree"] > 0
