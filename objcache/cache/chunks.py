@@ -303,6 +303,7 @@ class ChunkCache:
         """The cached chunk, downloading it if needed (from a previous owner if one still
         has it, else from S3); None if the cache has no room."""
         cid = (key, etag, idx)
+        joined_failure = False
         while True:
             ch = self._index.get(cid)
             if ch is not None:
@@ -313,7 +314,12 @@ class ChunkCache:
                 return await self._download(cid, obj_size, previous)
             await fetch.done.wait()
             if fetch.error is not None:
-                raise fetch.error
+                if joined_failure:
+                    raise fetch.error
+                # Someone else's download (a readahead) failed: try once ourselves, the
+                # failure may be behind us.
+                joined_failure = True
+                continue
             if fetch.result is None and cid not in self._index:
                 return None
             # else: loop and pick it up from the index (also covers a cancelled fetcher)

@@ -12,46 +12,16 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import trio
 
 from objcache.core.filesystem import RENAME_EXCHANGE, RENAME_NOREPLACE
-from objcache.entries import FlushScope
 from objcache.errors import ObjcacheError
-from tests.helpers.inproc import MiB, Posix, cluster, config, node, now
+from tests.conformance.conftest import Env
+from tests.helpers.inproc import MiB, Posix, config, node, now
 from tests.helpers.memstore import MemoryStore
-
-
-@dataclass
-class Env:
-    kind: str
-    a: Posix
-    b: Posix
-    store: MemoryStore
-
-    async def flush(self, key: str = "") -> int:
-        return await self.a.fs.flush_scope(FlushScope.under(key))
-
-    async def settle(self) -> None:
-        """B catches up with what A committed. A stat or a name found on B may lag A by
-        the milliseconds until B applies the change (an open, and a lookup that finds
-        nothing, catch up first); the FUSE tests wait for it the same way."""
-        await self.b.fs.sync()
-
-
-@pytest.fixture(params=["local", "replicated"])
-async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Env]:
-    store = MemoryStore()
-    if request.param == "local":
-        async with node(config(), store, tmp_path / "node") as p:
-            yield Env("local", Posix(p.fs), Posix(p.fs), store)
-    else:
-        async with cluster(store, tmp_path, 2) as (p0, p1):
-            yield Env("replicated", Posix(p0.fs), Posix(p1.fs), store)
 
 
 def errno_of(exc: pytest.ExceptionInfo[ObjcacheError]) -> int:
@@ -67,15 +37,15 @@ async def test_create_write_read_and_attributes(env: Env) -> None:
         assert a.size == len(data) and stat.S_IMODE(a.mode) == 0o640
         assert stat.S_ISREG(a.mode) and a.uid == os.getuid() and a.nlink == 1
     assert await env.flush() >= 1
-    assert env.store.objects["f.bin"][0] == data
-    assert int(env.store.objects["f.bin"][1]["mode"]) == stat.S_IFREG | 0o640
+    assert env.objects["f.bin"][0] == data
+    assert int(env.objects["f.bin"][1]["mode"]) == stat.S_IFREG | 0o640
 
 
 async def test_s3_objects_and_metadata_are_shown(env: Env) -> None:
-    env.store.put("d/x", b"xx", {"mode": str(stat.S_IFREG | 0o600), "uid": "7",
+    env.put("d/x", b"xx", {"mode": str(stat.S_IFREG | 0o600), "uid": "7",
                                  "gid": "8", "mtime": "1600000000"})
-    env.store.put("d/link", b"x", {"mode": str(stat.S_IFLNK | 0o777)})
-    env.store.put("d/sub/y", b"y")
+    env.put("d/link", b"x", {"mode": str(stat.S_IFLNK | 0o777)})
+    env.put("d/sub/y", b"y")
     for p in (env.a, env.b):
         assert sorted(await p.listdir("d")) == ["link", "sub", "x"]
         a = await p.stat("d/x")
@@ -116,7 +86,7 @@ async def test_mkdir_rmdir_and_their_errors(env: Env) -> None:
         await a.rmdir("d")
     assert errno_of(e) == errno.ENOENT
     await env.flush()
-    assert "d/" not in env.store.objects
+    assert "d/" not in env.objects
 
 
 async def test_names(env: Env) -> None:
@@ -136,9 +106,9 @@ async def test_names(env: Env) -> None:
 
 async def test_rename_files_and_directories(env: Env) -> None:
     a, b = env.a, env.b
-    env.store.put("clean", b"clean")
+    env.put("clean", b"clean")
     for i in range(3):
-        env.store.put(f"tree/sub/f{i}", str(i).encode())
+        env.put(f"tree/sub/f{i}", str(i).encode())
     await a.write("dirty", b"dirty")
     await a.rename("clean", "moved")
     await a.rename("dirty", "tree/sub/dirty")
@@ -152,7 +122,7 @@ async def test_rename_files_and_directories(env: Env) -> None:
         assert await p.read("other/tree2/sub/dirty") == b"dirty"
         assert await p.read("other/tree2/sub/f1") == b"1"
     await env.flush()
-    keys = set(env.store.objects)
+    keys = set(env.objects)
     assert {"moved", "other/tree2/sub/dirty", "other/tree2/sub/f0"} <= keys
     assert not {k for k in keys if k.startswith("tree/") or k in ("clean", "dirty")}
 
@@ -199,14 +169,14 @@ async def test_symlinks(env: Env) -> None:
         await env.b.symlink("ln", "elsewhere")
     assert errno_of(e) == errno.EEXIST
     await env.flush()
-    assert env.store.objects["ln"][0] == b"target"
+    assert env.objects["ln"][0] == b"target"
 
 
 async def test_truncate_sizes_zeros_and_times(env: Env) -> None:
     """truncate() and ftruncate() change the size, read back zeros past the old end, and
     move mtime (the cluster used to keep the old mtime)."""
     base = os.urandom(3 * MiB)
-    env.store.put("t.bin", base)
+    env.put("t.bin", base)
     old = 1_000_000_000
     await env.a.utime("t.bin", old)
     t0 = now()
@@ -244,7 +214,7 @@ async def test_o_trunc_without_a_write_empties_the_file(env: Env) -> None:
         assert a.size == 0 and a.mtime_ns > 1_000_000_000 * 10**9, a
         assert await p.read("f") == b""
     await env.flush()
-    assert env.store.objects["f"][0] == b""
+    assert env.objects["f"][0] == b""
 
 
 async def test_unlink_of_an_open_dirty_file_keeps_its_data(env: Env) -> None:
@@ -265,11 +235,11 @@ async def test_unlink_of_an_open_dirty_file_keeps_its_data(env: Env) -> None:
     assert (await env.a.fs.getattr(ino)).size == 12
     await env.a.close(fh)
     await env.flush()
-    assert "open.txt" not in env.store.objects
+    assert "open.txt" not in env.objects
 
 
 async def test_attributes_change_and_reach_s3(env: Env) -> None:
-    env.store.put("clean", b"c")
+    env.put("clean", b"c")
     await env.a.write("dirty", b"d")
     for path in ("clean", "dirty"):
         await env.a.chmod(path, 0o600)
@@ -286,23 +256,23 @@ async def test_attributes_change_and_reach_s3(env: Env) -> None:
     assert stat.S_IMODE((await env.b.stat("d")).mode) == 0o700
     await env.flush()
     for path in ("clean", "dirty"):
-        meta = env.store.objects[path][1]
+        meta = env.objects[path][1]
         assert (int(meta["mode"]) & 0o777, meta["uid"], meta["gid"], meta["mtime"]) == \
             (0o600, "1234", "4321", "1500000000")
-    assert int(env.store.objects["d/"][1]["mode"]) & 0o777 == 0o700
-    assert env.store.objects["clean"][0] == b"c"
+    assert int(env.objects["d/"][1]["mode"]) & 0o777 == 0o700
+    assert env.objects["clean"][0] == b"c"
 
 
 async def test_partial_write_to_a_large_object(env: Env) -> None:
     base = bytearray(os.urandom(5 * MiB))
-    env.store.put("big", bytes(base))
+    env.put("big", bytes(base))
     fh = await env.a.open("big", os.O_RDWR)
     await env.a.fs.write(fh, 3 * MiB + 3, b"PATCH")
     await env.a.close(fh)
     base[3 * MiB + 3:3 * MiB + 8] = b"PATCH"
     assert await env.b.read("big") == bytes(base)
     await env.flush()
-    assert env.store.objects["big"][0] == bytes(base)
+    assert env.objects["big"][0] == bytes(base)
 
 
 async def test_fsync_makes_the_file_durable(env: Env) -> None:
@@ -310,7 +280,7 @@ async def test_fsync_makes_the_file_durable(env: Env) -> None:
     await env.a.fs.write(fh, 0, b"synced")
     await env.a.fs.fsync(fh)
     if env.kind == "local":
-        assert env.store.objects["s"][0] == b"synced"  # one node: durable = in S3
+        assert env.objects["s"][0] == b"synced"  # one node: durable = in S3
     else:
         assert await env.b.read("s") == b"synced"  # a cluster: replicated and committed
     await env.a.fs.release(fh)
@@ -321,14 +291,14 @@ async def test_flush_of_one_path_flushes_that_path(env: Env) -> None:
     for name in ("mine", "all", "other"):
         await env.a.write(name, name.encode())
     assert await env.flush("mine") == 1
-    assert "mine" in env.store.objects and "all" not in env.store.objects
+    assert "mine" in env.objects and "all" not in env.objects
     await env.flush("all")
-    assert "all" in env.store.objects and "other" not in env.store.objects
+    assert "all" in env.objects and "other" not in env.objects
     await env.a.mkdir("sub")
     await env.a.write("sub/x", b"x")
     await env.a.write("subway", b"w")
     await env.flush("sub")
-    assert "sub/x" in env.store.objects and "subway" not in env.store.objects
+    assert "sub/x" in env.objects and "subway" not in env.objects
 
 
 async def test_close_to_open_across_nodes(env: Env) -> None:
@@ -346,15 +316,15 @@ async def test_close_to_open_across_nodes(env: Env) -> None:
 
 
 async def test_a_changed_object_is_seen_after_the_ttl(env: Env, tmp_path: Path) -> None:
-    env.store.put("v", b"one")
+    env.put("v", b"one")
     ttl = env.a.fs.ttl
     assert await env.a.read("v") == b"one"
-    env.store.put("v", b"two, longer")
+    env.put("v", b"two, longer")
     env.a.fs.ttl = 0.2  # (the mount flag --metadata-ttl)
     try:
         await trio.sleep(0.3)
         assert await env.a.read("v") == b"two, longer"
-        del env.store.objects["v"]
+        del env.objects["v"]
         await trio.sleep(0.3)
         assert not await env.a.exists("v")
     finally:

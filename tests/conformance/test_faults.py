@@ -10,40 +10,14 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import trio
 
 from objcache.entries import FlushScope
 from objcache.errors import ObjcacheError
-from tests.helpers.inproc import FaultyStore, MiB, Posix, cluster, config, node
-from tests.helpers.memstore import MemoryStore
-
-
-@dataclass
-class Env:
-    kind: str
-    a: Posix
-    b: Posix
-    store: FaultyStore
-
-    @property
-    def objects(self) -> dict[str, tuple[bytes, dict[str, str], str, int]]:
-        return self.store.inner.objects
-
-
-@pytest.fixture(params=["local", "replicated"])
-async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Env]:
-    store = FaultyStore(MemoryStore())
-    if request.param == "local":
-        async with node(config(), store, tmp_path / "node") as p:
-            yield Env("local", Posix(p.fs), Posix(p.fs), store)
-    else:
-        async with cluster(store, tmp_path, 2) as (p0, p1):
-            yield Env("replicated", Posix(p0.fs), Posix(p1.fs), store)
+from tests.conformance.conftest import Env
+from tests.helpers.inproc import MiB
 
 
 async def _flush_until_done(env: Env, attempts: int = 3) -> None:
@@ -69,7 +43,7 @@ async def test_failed_uploads_lose_nothing(env: Env) -> None:
 
 async def test_a_short_body_is_an_error_never_wrong_bytes(env: Env) -> None:
     data = os.urandom(3 * MiB)
-    env.store.inner.put("obj", data)
+    env.put("obj", data)
     env.store.short("get", times=2)
     with pytest.raises(ObjcacheError) as e:
         await env.b.read("obj")
@@ -80,7 +54,7 @@ async def test_a_short_body_is_an_error_never_wrong_bytes(env: Env) -> None:
 
 
 async def test_a_failed_lookup_is_eio_then_works(env: Env) -> None:
-    env.store.inner.put("x", b"x")
+    env.put("x", b"x")
     env.store.fail("head", times=1)
     with pytest.raises(ObjcacheError) as e:
         await env.a.read("x")
@@ -91,9 +65,9 @@ async def test_a_failed_lookup_is_eio_then_works(env: Env) -> None:
 async def test_a_failed_change_is_whole_or_not_at_all(env: Env) -> None:
     """unlink and rename while S3 deletes and copies fail: either the call fails and
     nothing changed, or it succeeded and S3 matches after write-back."""
-    env.store.inner.put("u", b"u")
+    env.put("u", b"u")
     for i in range(4):
-        env.store.inner.put(f"dir/f{i}", str(i).encode())
+        env.put(f"dir/f{i}", str(i).encode())
     await env.a.read("u")
     await env.a.listdir("dir")
     env.store.fail("delete", times=1)
@@ -132,8 +106,8 @@ async def test_a_failed_change_is_whole_or_not_at_all(env: Env) -> None:
 
 
 async def test_a_stalled_read_blocks_nothing_else(env: Env) -> None:
-    env.store.inner.put("slow", os.urandom(MiB))
-    env.store.inner.put("fast", b"fast")
+    env.put("slow", os.urandom(MiB))
+    env.put("fast", b"fast")
     await env.a.stat("slow")
     await env.a.stat("fast")
     env.store.stall("get", 2.0, times=1)

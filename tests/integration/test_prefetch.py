@@ -49,8 +49,10 @@ def test_prefetch_warms_the_cluster_once(s3, bucket, cluster, proxy):  # type: i
     _, out = _prefetch(str(nodes[0].mnt / "ds"))
     assert out["files"] == 301 and out["bytes"] == total and not out["failures"], out
     assert out["bytes_fetched"] == total and out["bytes_cached_before"] == 0
-    # Every chunk was fetched once, by its owner: both nodes fetched some.
-    assert proxy.get_object_bytes == total
+    # Every chunk was fetched once, by its owner: both nodes fetched some. (A request to
+    # a peer that misses heartbeats under load falls back to fetching here: a chunk or
+    # two may be fetched twice, never the data set.)
+    assert total <= proxy.get_object_bytes <= total + 8 * MIB
     assert all(n.status()["cache"]["bytes_read_from_s3"] > 0 for n in nodes)
 
     # Reading everything, through either node, makes no GET.
