@@ -172,7 +172,6 @@ class Parts:
         """The background work, then (a member) joining the cluster: a refused secret or
         a taken node id fails here, before anything is mounted."""
         await nursery.start(self.cache.run)
-        await nursery.start(self.router.run)
         await nursery.start(self.fs.run)
         if self.member is not None:
             m = self.member
@@ -303,7 +302,7 @@ class Daemon:
         # The kernel resets the readahead window when FUSE's INIT completes, so raise it
         # only after a first request (a stat in a thread, answered by the loop) got through.
         await trio.to_thread.run_sync(os.stat, self.mountpoint)
-        set_read_ahead(self.mountpoint)
+        set_read_ahead(self.mountpoint, int(os.environ.get("OBJCACHE_RA_KB", "1024")))
 
     async def _main(self, ready: Any) -> None:
         parts = self.parts

@@ -152,6 +152,8 @@ class NodeStatus:
                       "bytes_read_from_cache": st.bytes_from_cache,
                       "bytes_read_from_s3": st.bytes_from_s3,
                       "bytes_read_from_peers": st.bytes_from_peers,
+                      "bytes_fetched_from_peers": st.bytes_fetched_from_peers,
+                      "corrupt_chunks": st.corrupt,
                       "peer_fallbacks": st.peer_fallbacks,
                       "bytes_served_to_peers": st.bytes_served_to_peers,
                       "pinned_bytes": c.pinned_bytes, "near_cache_bytes": c.near_bytes,

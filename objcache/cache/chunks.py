@@ -1,7 +1,14 @@
 """The chunk cache: fixed-size chunks of clean S3 object versions on this node's disk.
 
 A chunk is named by (key, ETag, index), so a changed object can never be served from the
-old version's chunks. Concurrent misses of one chunk share one download (single flight).
+old version's chunks. A missing chunk is fetched once however many readers want it
+(single flight), into a memory buffer, as several ranged GETs in parallel; readers are
+answered from the buffer as soon as their bytes have arrived, not when the chunk is
+complete. A complete chunk is checksummed and written to the cache disk off the readers'
+path (O_DIRECT where the disk takes it: no page-cache copy, a fraction of the CPU), and
+only then becomes a cache hit. Every read of a cached chunk verifies the xxh3 sums of the
+256 KiB blocks it touches, so a corrupt cache file is fetched again, never served.
+
 Total bytes (chunks plus what the write-back store charges) stay under the capacity by
 evicting the least recently used clean data: chunks first, then whatever other clean data
 was offered for eviction (clean local files). The index lives in the state database and
@@ -11,19 +18,22 @@ objcache.cache.router's business; pinning is objcache.cache.pins'.
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 import os
 import shutil
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import trio
+import xxhash
 
 from objcache.cache.statedb import StateDB
-from objcache.errors import StaleObject, StoreError
+from objcache.errors import StaleObject, StoreError, first_error
 
 if TYPE_CHECKING:
     from objcache.store import ObjectInfo, ObjectStore
@@ -35,8 +45,14 @@ ChunkId = tuple[str, str, int]  # (key, etag, index)
 # fetches_whole): on S3 a GET of 1 MiB takes about as long as a HEAD, and a stat'ed small
 # file is usually read next.
 SMALL_OBJECT = 1 << 20
-# Bytes of a chunk from somewhere other than S3 (a peer), or None if it had none.
-Fetch = Callable[[], Awaitable[bytes | None]]
+# A chunk is fetched as ranged GETs of this size, in parallel: a reader waits for its own
+# piece only, and one chunk keeps several connections busy (S3 and SeaweedFS serve one
+# connection at a fraction of what several do).
+PIECE = 4 << 20
+VERIFY_BLOCK = 256 << 10  # checksummed unit of a cached chunk
+OPEN_CHUNKS = 16  # cached chunk files kept open for reading
+IDLE_BUFFER = 5.0  # seconds a completed download's buffer is kept when nobody reads it
+PAGE = mmap.PAGESIZE
 
 
 class PreviousOwners(Protocol):
@@ -58,21 +74,51 @@ class NoPreviousOwners:
 NO_PREVIOUS = NoPreviousOwners()
 
 
-def pread(path: str, n: int, offset: int) -> bytes:
-    """Read from a chunk file on the trio thread. Deliberate: a cache hit is usually in the
-    page cache (microseconds), cheaper than a thread hop (~50-100 us per FUSE request)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.pread(fd, n, offset)
-    finally:
-        os.close(fd)
+class ChunkSource(Protocol):
+    """Where a chunk's bytes come from on a miss: S3, or the node that owns the chunk.
+    `fill` puts bytes [start, start+len(view)) of the chunk into `view`, calling
+    `progress(n)` on the trio thread as they arrive; it raises if it cannot."""
+
+    from_peer: bool
+
+    async def fill(self, cid: ChunkId, obj_size: int, start: int, view: memoryview,
+                   progress: Callable[[int], None]) -> None: ...
+
+
+class _S3Source:
+    from_peer = False
+
+    def __init__(self, store: ObjectStore, chunk_size: int) -> None:
+        self.store = store
+        self.chunk_size = chunk_size
+        self.token: trio.lowlevel.TrioToken | None = None
+
+    async def fill(self, cid: ChunkId, obj_size: int, start: int, view: memoryview,
+                   progress: Callable[[int], None]) -> None:
+        key, etag, idx = cid
+        token = self.token or trio.lowlevel.current_trio_token()
+
+        def in_thread(n: int) -> None:  # called from the download thread
+            token.run_sync_soon(progress, n)
+
+        await self.store.get_into(key, etag, idx * self.chunk_size + start, view, in_thread)
+
+
+class CorruptChunk(Exception):
+    """A cached chunk's bytes do not match their checksums."""
+
+
+def block_sums(data: memoryview) -> bytes:
+    """xxh3-64 of each VERIFY_BLOCK of `data`, concatenated."""
+    return b"".join(xxhash.xxh3_64_digest(data[i:i + VERIFY_BLOCK])
+                    for i in range(0, len(data), VERIFY_BLOCK))
 
 
 class Chunk:
-    __slots__ = ("id", "key", "etag", "idx", "size", "atime", "path", "pinned")
+    __slots__ = ("id", "key", "etag", "idx", "size", "atime", "path", "pinned", "sums")
 
     def __init__(self, id_: int, key: str, etag: str, idx: int, size: int, atime: float,
-                 path: str, pinned: bool = False) -> None:
+                 path: str, sums: bytes, pinned: bool = False) -> None:
         self.pinned = pinned
         self.id = id_
         self.key = key
@@ -81,20 +127,155 @@ class Chunk:
         self.size = size
         self.atime = atime
         self.path = path
+        self.sums = sums
 
-    def read(self, start: int, n: int) -> bytes:
-        return pread(self.path, n, start)
+
+class _Files:
+    """Cached chunk files kept open for reading, the most recently used few."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._fds: OrderedDict[int, int] = OrderedDict()
+
+    def fd(self, ch: Chunk) -> int:
+        fd = self._fds.get(ch.id)
+        if fd is not None:
+            self._fds.move_to_end(ch.id)
+            return fd
+        fd = os.open(ch.path, os.O_RDONLY)
+        self._fds[ch.id] = fd
+        while len(self._fds) > self.count:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    def drop(self, ch: Chunk) -> None:
+        fd = self._fds.pop(ch.id, None)
+        if fd is not None:
+            os.close(fd)
+
+
+class BufferPool:
+    """Chunk-sized anonymous memory for downloads in flight: bounded (the daemon's memory
+    stays flat however much is read), reused, and page-aligned (O_DIRECT writes from it)."""
+
+    def __init__(self, size: int, count: int) -> None:
+        self.size = -(-size // PAGE) * PAGE
+        self.count = count
+        self._free: list[mmap.mmap] = []
+        self._made = 0
+        self._freed = trio.Event()
+
+    def try_take(self, reserve: int = 0) -> mmap.mmap | None:
+        """A free buffer, unless only `reserve` are left (kept for readers)."""
+        if len(self._free) + self.count - self._made <= reserve:
+            return None
+        if self._free:
+            return self._free.pop()
+        self._made += 1
+        return mmap.mmap(-1, self.size)
+
+    async def freed(self) -> None:
+        """Until a buffer is given back."""
+        await self._freed.wait()
+
+    def give(self, buf: mmap.mmap) -> None:
+        self._free.append(buf)
+        self.nudge()
+
+    def nudge(self) -> None:
+        """Wake whoever waits for a buffer (one may be free, or reclaimable, now)."""
+        self._freed.set()
+        self._freed = trio.Event()
+
+    def trim(self) -> None:
+        """Return idle buffers' pages to the system (they are re-faulted on next use)."""
+        for buf in self._free:
+            buf.madvise(mmap.MADV_DONTNEED)
+
+    @property
+    def in_use(self) -> int:
+        return self._made - len(self._free)
 
 
 class _Fetch:
-    """One in-flight download that concurrent readers of the same chunk wait on."""
+    """A chunk being fetched: readers wait for the bytes they need as they arrive (`got`:
+    bytes in from the start of each piece), everyone waits for the end (`done`). The
+    buffer goes back to the pool only once no reader is waiting on it (`readers`)."""
 
-    __slots__ = ("done", "result", "error")
+    __slots__ = ("cid", "size", "source", "keep", "near", "buf", "view", "pieces", "got",
+                 "moved", "done", "result", "error", "readers", "idle", "read_to", "used")
 
-    def __init__(self) -> None:
+    def __init__(self, cid: ChunkId, size: int, source: ChunkSource, keep: bool,
+                 near: bool = False) -> None:
+        self.cid = cid
+        self.size = size
+        self.source = source
+        self.keep = keep  # becomes a cache file when complete (if there is room)
+        self.near = near  # ... in the near-cache's budget
+        self.buf: mmap.mmap | None = None
+        self.view: memoryview | None = None
+        self.pieces = [(s, min(size, s + PIECE)) for s in range(0, max(size, 1), PIECE)]
+        self.got = [0] * len(self.pieces)
+        self.moved = trio.Event()
         self.done = trio.Event()
         self.result: Chunk | None = None
-        self.error: Exception | None = None
+        self.error: BaseException | None = None
+        self.readers = 0
+        self.idle = trio.Event()
+        self.read_to = 0  # how far readers have read (a buffer read to its end may go)
+        self.used = 0.0  # when a reader last read it
+
+    def advance(self, piece: int, got: int) -> None:
+        self.got[piece] = max(self.got[piece], got)
+        self._moved()
+
+    def fill_all(self) -> None:
+        for i, (s, e) in enumerate(self.pieces):
+            self.got[i] = e - s
+        self._moved()
+
+    def _moved(self) -> None:
+        self.moved.set()
+        self.moved = trio.Event()
+
+    def has(self, start: int, end: int) -> bool:
+        for i, (s, e) in enumerate(self.pieces):
+            if s < end and start < e and s + self.got[i] < min(e, end):
+                return False
+        return True
+
+    async def wait_for(self, start: int, end: int, volatile: bool = False
+                       ) -> bytes | memoryview:
+        """Bytes [start, end) of the chunk once they have arrived: a copy (the buffer is
+        reused later), or a view if the caller uses it before it next awaits."""
+        self.readers += 1
+        try:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                if self.view is not None and self.has(start, end):
+                    self.read_to = max(self.read_to, end)
+                    self.used = time.monotonic()
+                    view = self.view[start:end]
+                    return view if volatile else bytes(view)
+                if self.view is None and self.done.is_set():
+                    raise _Retry  # over before we got here: the index has it, or not
+                await self.moved.wait()
+        finally:
+            self.readers -= 1
+            if not self.readers:
+                self.idle.set()
+
+    async def drained(self) -> None:
+        """Until no reader is between its wake-up and its copy."""
+        while self.readers:
+            self.idle = trio.Event()
+            self._moved()
+            await self.idle.wait()
+
+
+class _Retry(Exception):
+    pass
 
 
 class CacheStats:
@@ -103,33 +284,66 @@ class CacheStats:
         self.misses = 0
         self.bypass = 0
         self.evictions = 0
-        self.bytes_from_cache = 0
-        self.bytes_from_s3 = 0
-        self.bytes_from_peers = 0  # read through peers, or chunks copied from a peer
+        self.bytes_from_cache = 0  # served by this node: its cache files or its downloads
+        self.bytes_from_s3 = 0  # downloaded from S3 (readahead included)
+        self.bytes_from_peers = 0  # read by readers from chunks that came from a peer
+        self.bytes_fetched_from_peers = 0  # moved from peers (readahead included)
         self.peer_fallbacks = 0  # peer reads that failed and went to S3 instead
         self.bytes_served_to_peers = 0
+        self.corrupt = 0  # cached chunks that failed their checksums (fetched again)
+
+
+def _write_chunk(path: str, data: memoryview, size: int) -> None:
+    """Write a complete chunk file (in a worker thread): O_DIRECT when the file system
+    takes it (from the page-aligned buffer, rounded up to whole pages, then cut to size),
+    else a plain write."""
+    aligned = -(-size // PAGE) * PAGE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        fd = -1
+    if fd >= 0:
+        try:
+            done = 0
+            while done < aligned:
+                done += os.pwrite(fd, data[done:aligned], done)
+            os.ftruncate(fd, size)
+            return
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+        finally:
+            os.close(fd)
+    with open(path, "wb") as f:
+        f.write(data[:size])
 
 
 class ChunkCache:
     """Attributes:
     capacity: byte budget for chunks plus what others charge (`charge`/`release`).
-    chunk_bytes: bytes held by cached chunks (and downloads in flight).
+    chunk_bytes: bytes held by cached chunks (and downloads that will be cached).
     local_bytes: bytes charged by the write-back store and dirty blobs.
     near_capacity: bytes of other nodes' chunks kept here once they are read repeatedly.
     """
 
     def __init__(self, db: StateDB, root: Path, capacity: int, chunk_size: int,
-                 store: ObjectStore, near_capacity: int = 0) -> None:
+                 store: ObjectStore, near_capacity: int = 0, buffers: int = 6) -> None:
         self.db = db
         self.root = root
         self.capacity = capacity
         self.chunk_size = chunk_size
         self.store = store
+        self.s3 = _S3Source(store, chunk_size)
         self.stats = CacheStats()
         self.chunk_bytes = 0
         self.local_bytes = 0
         self.near_capacity = near_capacity
         self.near_bytes = 0
+        self.buffers = BufferPool(chunk_size, max(2, buffers))
+        self.disk = trio.CapacityLimiter(2)  # chunk files written at once
+        self._files = _Files(OPEN_CHUNKS)
         self._near: OrderedDict[ChunkId, None] = OrderedDict()  # LRU of near-cache chunks
         self._index: dict[ChunkId, Chunk] = {}  # every cached chunk
         self._lru: OrderedDict[ChunkId, Chunk] = OrderedDict()  # the evictable (unpinned)
@@ -139,10 +353,15 @@ class ChunkCache:
         self.pinned_bytes = 0
         self._by_key: dict[str, set[ChunkId]] = {}
         self._fetching: dict[ChunkId, _Fetch] = {}
+        # Completed downloads whose buffer is kept (the most recent first to go is the
+        # oldest): a reader behind the download reads memory, not the cache disk, until
+        # the buffer is needed for another download.
+        self._recent: OrderedDict[ChunkId, _Fetch] = OrderedDict()
         self._touched: set[int] = set()
+        self._nursery: trio.Nursery | None = None
         (root / "chunks").mkdir(parents=True, exist_ok=True)
         tmp = root / "tmp"
-        shutil.rmtree(tmp, ignore_errors=True)  # half-downloaded chunks from a crash
+        shutil.rmtree(tmp, ignore_errors=True)  # half-written chunks from a crash
         tmp.mkdir()
         self._tmp_seq = 0
         self._load()
@@ -155,20 +374,23 @@ class ChunkCache:
     def _load(self) -> None:
         known: set[str] = set()
         stale: list[tuple[object, ...]] = []
-        for id_, key, etag, idx, size, atime, pinned in self.db.execute(
-                "SELECT id, key, etag, idx, size, atime, pinned FROM chunks ORDER BY atime"):
+        for id_, key, etag, idx, size, atime, pinned, sums in self.db.execute(
+                "SELECT id, key, etag, idx, size, atime, pinned, sums FROM chunks "
+                "ORDER BY atime"):
             path = self._path(id_)
             try:
-                ok = os.stat(path).st_size == size
+                ok = os.stat(path).st_size == size and sums is not None
             except FileNotFoundError:
                 ok = False
             if not ok:
                 stale.append((id_,))
                 continue
             known.add(path)
-            self._insert(Chunk(id_, key, etag, idx, size, atime, path, bool(pinned)))
+            self._insert(Chunk(id_, key, etag, idx, size, atime, path, bytes(sums),
+                               bool(pinned)))
         if stale:
-            log.info("dropping %d cache index entries whose chunk files are gone", len(stale))
+            log.info("dropping %d cache index entries whose chunk files are gone or were "
+                     "never checksummed", len(stale))
             self.db.executemany("DELETE FROM chunks WHERE id=?", stale)
         for sub in (self.root / "chunks").iterdir():
             for f in sub.iterdir():
@@ -189,6 +411,7 @@ class ChunkCache:
 
     def remove(self, ch: Chunk) -> None:
         self._remove_index_only(ch)
+        self._files.drop(ch)
         self.db.execute("DELETE FROM chunks WHERE id=?", (ch.id,))
         try:
             os.unlink(ch.path)
@@ -230,14 +453,26 @@ class ChunkCache:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
-        """The periodic atime writer."""
-        task_status.started()
-        try:
-            while True:
-                await trio.sleep(5)
+        """Own the downloads (they outlive the reader that started them: others may be
+        waiting), the periodic atime writer and the trimming of idle buffers."""
+        self.s3.token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                while True:
+                    await trio.sleep(5)
+                    self.flush_atimes()
+                    idle = time.monotonic() - IDLE_BUFFER
+                    for cid, f in list(self._recent.items()):
+                        if f.used < idle and not f.readers:
+                            self._release_recent(cid)
+                    if not self._fetching:
+                        self.buffers.trim()
+            finally:
                 self.flush_atimes()
-        finally:
-            self.flush_atimes()
+                self._nursery = None
+                nursery.cancel_scope.cancel()
 
     # -- space ----------------------------------------------------------------------------
 
@@ -286,9 +521,9 @@ class ChunkCache:
         return self._index.get((key, etag, idx))
 
     def busy(self, key: str, etag: str, idx: int) -> bool:
-        """Cached or being fetched: nothing to start for it."""
+        """Cached, in memory or being fetched: nothing to start for it."""
         cid = (key, etag, idx)
-        return cid in self._index or cid in self._fetching
+        return cid in self._index or cid in self._fetching or cid in self._recent
 
     def _touch(self, cid: ChunkId, ch: Chunk) -> None:
         if not ch.pinned:
@@ -298,10 +533,128 @@ class ChunkCache:
         ch.atime = time.time()
         self._touched.add(ch.id)
 
+    def _serve(self, ch: Chunk, start: int, n: int) -> memoryview:
+        """Bytes of a cached chunk, the blocks they lie in read whole and verified against
+        their checksums. A pread on the trio thread: usually a page-cache hit (microseconds,
+        less than a thread hop), else the kernel's readahead of the file is under way."""
+        first, last = start // VERIFY_BLOCK, (start + n - 1) // VERIFY_BLOCK
+        lo = first * VERIFY_BLOCK
+        data = memoryview(os.pread(self._files.fd(ch), min(ch.size, (last + 1) * VERIFY_BLOCK)
+                                   - lo, lo))
+        for b in range(first, last + 1):
+            off = b * VERIFY_BLOCK - lo
+            got = xxhash.xxh3_64_digest(data[off:off + VERIFY_BLOCK])
+            if got != ch.sums[b * 8:b * 8 + 8]:
+                raise CorruptChunk(f"chunk {ch.idx} of {ch.key!r} block {b}")
+        return data[start - lo:start - lo + n]
+
+    def read_cached(self, key: str, etag: str, idx: int) -> bytes | memoryview | None:
+        """A whole cached chunk (verified), or None if it is not cached (or corrupt)."""
+        recent = self._recent.get((key, etag, idx))
+        if recent is not None and recent.view is not None:
+            return bytes(recent.view[:recent.size])
+        ch = self._index.get((key, etag, idx))
+        if ch is None:
+            return None
+        try:
+            return self._serve(ch, 0, ch.size)
+        except CorruptChunk as e:
+            self._corrupt(ch, e)
+            return None
+
+    def warm_pages(self, key: str, etag: str, idx: int) -> None:
+        """A reader is coming: have the kernel read a cached chunk's file ahead (async)."""
+        ch = self._index.get((key, etag, idx))
+        if ch is None or (key, etag, idx) in self._recent:
+            return
+        try:
+            fd = os.open(ch.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+    def _corrupt(self, ch: Chunk, e: CorruptChunk) -> None:
+        log.warning("cache file of %s fails its checksum: dropped, fetched again", e)
+        self.stats.corrupt += 1
+        self.remove(ch)
+
+    async def read(self, key: str, etag: str, obj_size: int, idx: int, start: int, n: int,
+                   source: ChunkSource | None = None, keep: bool = True,
+                   previous: PreviousOwners = NO_PREVIOUS, near: bool = False,
+                   volatile: bool = False) -> bytes | memoryview:
+        """Bytes of one chunk: from memory (a download in flight or just done, started from
+        `source` if needed: S3 when None), else this node's cache file. `keep`: a download
+        becomes a cache file (`near`: in the near-cache's budget). `volatile`: the caller
+        uses the bytes before it next awaits (a FUSE reply), so a view of a download
+        buffer may be handed out instead of a copy."""
+        cid = (key, etag, idx)
+        end = start + n
+        joined_failure = False
+        for _ in range(4):
+            recent = self._recent.get(cid)
+            if recent is not None and recent.view is not None:
+                self._recent.move_to_end(cid)
+                recent.read_to = max(recent.read_to, end)
+                recent.used = time.monotonic()
+                ch = self._index.get(cid)
+                if ch is not None:
+                    self._touch(cid, ch)
+                elif keep and not recent.keep and self._nursery is not None:
+                    # Read from memory and now worth keeping (a hot remote chunk): it goes
+                    # to disk from the buffer, without fetching it again.
+                    recent.keep, recent.near = True, near
+                    self._nursery.start_soon(self._keep_later, recent)
+                self._count(recent, n)
+                view = recent.view[start:end]
+                return view if volatile else bytes(view)
+            ch = self._index.get(cid)
+            if ch is not None:
+                self._touch(cid, ch)
+                try:
+                    data = self._serve(ch, start, n)
+                except CorruptChunk as e:
+                    self._corrupt(ch, e)
+                    continue
+                self.stats.bytes_from_cache += n
+                return data
+            fetch = self._fetching.get(cid)
+            mine = fetch is None or fetch.error is not None
+            if mine:
+                fetch = self._start(cid, obj_size, source or self.s3, keep, previous, near)
+            assert fetch is not None
+            try:
+                data = await fetch.wait_for(start, end, volatile)
+                self._count(fetch, n)
+                return data
+            except _Retry:
+                continue
+            except Exception:
+                if mine or joined_failure:
+                    raise
+                # Someone else's download (a readahead) failed: try once ourselves, the
+                # failure may be behind us.
+                joined_failure = True
+        raise StoreError(f"chunk {idx} of {key!r} could not be read")
+
+    async def read_local(self, key: str, etag: str, obj_size: int, idx: int, start: int,
+                         n: int, previous: PreviousOwners = NO_PREVIOUS
+                         ) -> bytes | memoryview:
+        """Bytes of a chunk this node holds (or fetches from S3 to hold)."""
+        return await self.read(key, etag, obj_size, idx, start, n, previous=previous)
+
+    def _count(self, fetch: _Fetch, n: int) -> None:
+        if fetch.source.from_peer:
+            self.stats.bytes_from_peers += n
+        else:
+            self.stats.bytes_from_cache += n  # (this node's, while it downloads)
+
     async def ensure(self, key: str, etag: str, obj_size: int, idx: int,
                      previous: PreviousOwners = NO_PREVIOUS) -> Chunk | None:
-        """The cached chunk, downloading it if needed (from a previous owner if one still
-        has it, else from S3); None if the cache has no room."""
+        """The cached chunk, fetching it if needed (from a previous owner if one still has
+        it, else from S3); None if the cache has no room to keep it."""
         cid = (key, etag, idx)
         joined_failure = False
         while True:
@@ -310,11 +663,18 @@ class ChunkCache:
                 self._touch(cid, ch)
                 return ch
             fetch = self._fetching.get(cid)
-            if fetch is None:
-                return await self._download(cid, obj_size, previous)
+            mine = fetch is None or not fetch.keep
+            if mine:
+                if fetch is not None:
+                    await fetch.done.wait()  # one we would not keep: wait, then fetch
+                    continue
+                fetch = self._start(cid, obj_size, self.s3, True, previous)
+            assert fetch is not None
             await fetch.done.wait()
+            if isinstance(fetch.error, _Retry):
+                continue
             if fetch.error is not None:
-                if joined_failure:
+                if mine or joined_failure:
                     raise fetch.error
                 # Someone else's download (a readahead) failed: try once ourselves, the
                 # failure may be behind us.
@@ -322,93 +682,208 @@ class ChunkCache:
                 continue
             if fetch.result is None and cid not in self._index:
                 return None
-            # else: loop and pick it up from the index (also covers a cancelled fetcher)
 
-    async def ensure_near(self, key: str, etag: str, obj_size: int, idx: int,
-                          fetch: Fetch) -> None:
-        """Keep a copy of another node's chunk in the near-cache, from `fetch` only."""
+    def start(self, key: str, etag: str, obj_size: int, idx: int,
+              source: ChunkSource | None = None, keep: bool = True,
+              previous: PreviousOwners = NO_PREVIOUS, near: bool = False) -> bool:
+        """Start fetching a chunk in the background if it is neither cached, in memory nor
+        being fetched, and a buffer is free now (readahead never queues behind readers);
+        whether it started."""
         cid = (key, etag, idx)
-        if cid not in self._index and cid not in self._fetching:
-            await self._download(cid, obj_size, NO_PREVIOUS, near=fetch)
+        if (cid in self._index or cid in self._fetching or cid in self._recent
+                or self._nursery is None):
+            return False
+        # One buffer stays for readers: readahead never takes the last.
+        buf = self.buffers.try_take(reserve=1) or self._reclaim(read_only=True)
+        if buf is None:
+            return False
+        self._start(cid, obj_size, source or self.s3, keep, previous, near, buf=buf)
+        return True
 
-    async def _download(self, cid: ChunkId, obj_size: int, previous: PreviousOwners,
-                        near: Fetch | None = None) -> Chunk | None:
-        key, etag, idx = cid
-        size = self.chunk_len(obj_size, idx)
-        fetch = _Fetch()
+    def _reclaim(self, read_only: bool) -> mmap.mmap | None:
+        """The buffer of the oldest kept download (`read_only`: only one that readers have
+        read to its end, which readahead may take without hurting a reader)."""
+        for cid, f in self._recent.items():
+            if f.readers or (read_only and f.read_to < f.size):
+                continue
+            return self._release_recent(cid, keep=True)
+        return None
+
+    def _release_recent(self, cid: ChunkId, keep: bool = False) -> mmap.mmap | None:
+        f = self._recent.pop(cid)
+        buf, f.buf, f.view = f.buf, None, None
+        assert buf is not None
+        if keep:
+            return buf
+        self.buffers.give(buf)
+        return None
+
+    async def _take_buffer(self) -> mmap.mmap:
+        """A buffer for a download a reader waits on: a free one, else the oldest kept
+        download's, else wait for one."""
+        while True:
+            buf = self.buffers.try_take() or self._reclaim(read_only=False)
+            if buf is not None:
+                return buf
+            await self.buffers.freed()
+
+    def _start(self, cid: ChunkId, obj_size: int, source: ChunkSource, keep: bool,
+               previous: PreviousOwners, near: bool = False,
+               buf: mmap.mmap | None = None) -> _Fetch:
+        fetch = _Fetch(cid, self.chunk_len(obj_size, cid[2]), source, keep, near)
         self._fetching[cid] = fetch
+        assert self._nursery is not None, "the chunk cache is not running"
+        self._nursery.start_soon(self._download, fetch, obj_size, previous, buf)
+        return fetch
+
+    async def _download(self, fetch: _Fetch, obj_size: int, previous: PreviousOwners,
+                        buf: mmap.mmap | None) -> None:
+        cid = fetch.cid
+        size = fetch.size
+        reserved = False
         try:
-            if near is not None:
+            if fetch.keep and fetch.near:
                 while self._near and self.near_bytes + size > self.near_capacity:
                     self.remove(self._index[next(iter(self._near))])
                     self.stats.evictions += 1
-            if not self.make_room(size):
-                self.stats.bypass += 1
-                return None
-            self.chunk_bytes += size  # reserved while downloading
+            if fetch.keep:
+                # Room is made now so that what is read is kept; without room it is read
+                # through a buffer and not kept (the cache is full of pinned or dirty data).
+                reserved = fetch.keep = self.make_room(size)
+                if reserved:
+                    self.chunk_bytes += size  # reserved while downloading
+                else:
+                    self.stats.bypass += 1
+            fetch.buf = buf or await self._take_buffer()
+            buf = None
+            fetch.view = memoryview(fetch.buf)
             try:
-                tmp = self._tmp_path()
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    if not await self._fill(fd, cid, obj_size, size, previous, near):
-                        os.unlink(tmp)
-                        return None
-                finally:
-                    os.close(fd)
+                await self._fill(fetch, obj_size, previous)
+                if fetch.keep:
+                    fetch.result = await self._keep(fetch)
+                    if fetch.near:
+                        self._near[cid] = None
+                        self.near_bytes += size
+            except BaseException as e:
+                fetch.error = e if isinstance(e, Exception) else StoreError(
+                    f"fetch of chunk {cid[2]} of {cid[0]!r} cancelled")
+                raise
             finally:
-                self.chunk_bytes -= size
-            ch = self._adopt(tmp, cid, size)
-            if near is not None:
+                if reserved:
+                    self.chunk_bytes -= size
+                if fetch.error is None:
+                    self._recent[cid] = fetch  # readers behind it read memory meanwhile
+                    self._recent.move_to_end(cid)
+                    self.buffers.nudge()  # a reader waiting for a buffer may take it
+                else:
+                    with trio.CancelScope(shield=True):
+                        await fetch.drained()
+                    fetch.view = None
+                    self.buffers.give(fetch.buf)
+                    fetch.buf = None
+        except Exception as e:
+            if fetch.error is None:
+                fetch.error = e
+            log.debug("fetch of chunk %d of %r failed: %s", cid[2], cid[0], e)
+        finally:
+            if buf is not None:
+                self.buffers.give(buf)
+            if self._fetching.get(cid) is fetch:  # (a failed one may be replaced already)
+                del self._fetching[cid]
+            fetch.done.set()
+            fetch.moved.set()
+
+    async def _keep_later(self, fetch: _Fetch) -> None:
+        """Write a completed download that is still in memory to the cache."""
+        cid, size = fetch.cid, fetch.size
+        if cid in self._index or fetch.view is None:
+            return
+        if fetch.near:
+            while self._near and self.near_bytes + size > self.near_capacity:
+                self.remove(self._index[next(iter(self._near))])
+                self.stats.evictions += 1
+        if not self.make_room(size):
+            return
+        self.chunk_bytes += size
+        fetch.readers += 1  # its buffer is not taken while it is written
+        try:
+            fetch.result = await self._keep(fetch)
+            if fetch.near:
                 self._near[cid] = None
                 self.near_bytes += size
-            fetch.result = ch
-            return ch
         except Exception as e:
-            fetch.error = e
-            raise
+            log.debug("keeping chunk %d of %r failed: %s", cid[2], cid[0], e)
         finally:
-            del self._fetching[cid]
-            fetch.done.set()
+            fetch.readers -= 1
+            self.chunk_bytes -= size
 
-    async def _fill(self, fd: int, cid: ChunkId, obj_size: int, size: int,
-                    previous: PreviousOwners, near: Fetch | None) -> bool:
-        key, etag, idx = cid
-        if near is not None:
-            data = await near()
-            if data is None:
-                return False
-        else:
+    async def _fill(self, fetch: _Fetch, obj_size: int, previous: PreviousOwners) -> None:
+        """The chunk's bytes into its buffer: whole from a previous owner if one still has
+        it (S3 downloads only), else piece by piece from its source, in parallel."""
+        key, etag, idx = fetch.cid
+        size = fetch.size
+        assert fetch.view is not None
+        if fetch.source is self.s3:
             data = await previous.from_previous(key, etag, obj_size, idx)
-        if data is None:
-            await self.store.get_range_into(key, etag, idx * self.chunk_size, size, fd, 0)
-            got = os.fstat(fd).st_size
-            if got != size:  # the store must return all of it or raise: never cache less
-                raise StoreError(f"S3 returned {got} of {size} bytes of chunk {idx} of "
-                                 f"{key!r}")
-            self.stats.bytes_from_s3 += size
-            return True
-        if len(data) != size:
-            raise StaleObject(f"a peer sent {len(data)} bytes for chunk {idx} of {key!r}, "
-                              f"expected {size}")
-        view = memoryview(data)
-        done = 0
-        while done < size:
-            done += os.pwrite(fd, view[done:], done)
-        self.stats.bytes_from_peers += size
-        return True
+            if data is not None:
+                if len(data) != size:
+                    raise StaleObject(f"a peer sent {len(data)} bytes for chunk {idx} of "
+                                      f"{key!r}, expected {size}")
+                fetch.view[:size] = data
+                fetch.fill_all()
+                self.stats.bytes_fetched_from_peers += size
+                return
 
-    def _adopt(self, tmp: str, cid: ChunkId, size: int) -> Chunk:
-        """Make a downloaded temporary file the cached chunk `cid`."""
+        async def piece(i: int) -> None:
+            assert fetch.view is not None
+            s, e = fetch.pieces[i]
+            await fetch.source.fill(fetch.cid, obj_size, s, fetch.view[s:e],
+                                    lambda n: fetch.advance(i, n))
+            fetch.advance(i, e - s)
+
+        with first_error():
+            async with trio.open_nursery() as n:
+                for i in range(len(fetch.pieces)):
+                    n.start_soon(piece, i)
+        if fetch.source.from_peer:
+            self.stats.bytes_fetched_from_peers += size
+        else:
+            self.stats.bytes_from_s3 += size
+
+    async def _keep(self, fetch: _Fetch) -> Chunk:
+        """Checksum a complete chunk and write it to the cache disk (in a thread); it is
+        a cache hit from then on."""
+        assert fetch.view is not None
+        data, size = fetch.view, fetch.size
+        tmp = self._tmp_path()
+
+        def work() -> bytes:
+            sums = block_sums(data[:size])
+            _write_chunk(tmp, data, size)
+            return sums
+
+        try:
+            sums = await trio.to_thread.run_sync(work, limiter=self.disk)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return self._adopt(tmp, fetch.cid, size, sums)
+
+    def _adopt(self, tmp: str, cid: ChunkId, size: int, sums: bytes) -> Chunk:
+        """Make a written temporary file the cached chunk `cid`."""
         key, etag, idx = cid
         now = time.time()
         cur = self.db.execute(
-            "INSERT OR REPLACE INTO chunks (key, etag, idx, size, atime) "
-            "VALUES (?, ?, ?, ?, ?)", (key, etag, idx, size, now))
+            "INSERT OR REPLACE INTO chunks (key, etag, idx, size, atime, sums) "
+            "VALUES (?, ?, ?, ?, ?, ?)", (key, etag, idx, size, now, sums))
         id_ = int(cur.lastrowid or 0)
         path = self._path(id_)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         os.rename(tmp, path)
-        ch = Chunk(id_, key, etag, idx, size, now, path)
+        ch = Chunk(id_, key, etag, idx, size, now, path, sums)
         self._insert(ch)
         return ch
 
@@ -430,6 +905,7 @@ class ChunkCache:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 got = await store.head_by_get(key, listed_size, fd)
+                data = os.pread(fd, listed_size, 0) if got is not None else b""
             finally:
                 os.close(fd)
         except BaseException:
@@ -445,25 +921,10 @@ class ChunkCache:
         # Only a whole object is a complete chunk 0 (it may have grown since the LIST).
         if n == info.size and cid not in self._index and cid not in self._fetching:
             self.stats.bytes_from_s3 += n
-            self._adopt(tmp, cid, n)
+            self._adopt(tmp, cid, n, block_sums(memoryview(data)[:n]))
         else:
             os.unlink(tmp)
         return info
-
-    async def read_local(self, key: str, etag: str, obj_size: int, idx: int, start: int,
-                         n: int, previous: PreviousOwners = NO_PREVIOUS) -> bytes:
-        """Bytes of one chunk held (or fetched) here; straight from S3 when there is no
-        room to cache it."""
-        ch = await self.ensure(key, etag, obj_size, idx, previous)
-        if ch is None:
-            data = await self.store.get_range(key, etag, idx * self.chunk_size + start, n)
-            if len(data) != n:
-                raise StoreError(f"S3 returned {len(data)} of {n} bytes of {key!r}")
-            self.stats.bytes_from_s3 += len(data)
-            return data
-        data = ch.read(start, n)
-        self.stats.bytes_from_cache += len(data)
-        return data
 
     # -- by path ---------------------------------------------------------------------------
 
@@ -478,9 +939,16 @@ class ChunkCache:
         for cid in list(self._by_key.get(key, ())):
             if cid[1] != keep_etag:
                 self.remove(self._index[cid])
+        self._forget_recent(key, keep_etag)
+
+    def _forget_recent(self, key: str, keep_etag: str | None) -> None:
+        for cid in [c for c in self._recent if c[0] == key and c[1] != keep_etag]:
+            if not self._recent[cid].readers:
+                self._release_recent(cid)
 
     def rekey(self, old_key: str, old_etag: str, new_key: str, new_etag: str) -> None:
         """After a server-side copy the bytes are the same: keep them under the new name."""
+        self._forget_recent(old_key, None)
         for cid in list(self._by_key.get(old_key, ())):
             if cid[1] != old_etag:
                 continue

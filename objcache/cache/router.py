@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from objcache.cache.chunks import SMALL_OBJECT, ChunkCache, ChunkId, PreviousOwners
 from objcache.cache.pins import ChunkRef, Pins
+from objcache.errors import PeerError
 
 if TYPE_CHECKING:
     from objcache.store import ObjectInfo, ObjectStore
@@ -35,12 +37,10 @@ class Placement(PreviousOwners, Protocol):
         """The node that owns a chunk, or None when it is this node."""
         ...
 
-    async def read(self, owner: str, key: str, etag: str, obj_size: int, idx: int,
-                   start: int, length: int) -> bytes | None: ...
-
-    async def fetch(self, owner: str, key: str, etag: str, obj_size: int, idx: int
-                    ) -> bytes | None:
-        """The whole chunk from `owner` (which fetches it from S3 if it must)."""
+    async def read_into(self, owner: str, key: str, etag: str, obj_size: int, idx: int,
+                        start: int, view: memoryview, progress: Callable[[int], None]
+                        ) -> bool:
+        """Bytes [start, start+len(view)) of a chunk from its owner into `view`."""
         ...
 
     def readahead(self, owner: str, key: str, etag: str, obj_size: int, idxs: list[int]
@@ -54,19 +54,33 @@ class Placement(PreviousOwners, Protocol):
         ...
 
 
+class OwnerSource:
+    """Another node's chunk, read from its owner piece by piece into our buffer."""
+
+    from_peer = True
+
+    def __init__(self, placement: Placement, owner: str) -> None:
+        self.placement = placement
+        self.owner = owner
+
+    async def fill(self, cid: ChunkId, obj_size: int, start: int, view: memoryview,
+                   progress: Callable[[int], None]) -> None:
+        key, etag, idx = cid
+        if not await self.placement.read_into(self.owner, key, etag, obj_size, idx, start,
+                                              view, progress):
+            raise PeerError(f"owner {self.owner} did not send chunk {idx} of {key!r}")
+
+
 class LocalPlacement:
     """A single node: every chunk is ours."""
 
     def owner(self, key: str, etag: str, idx: int) -> str | None:
         return None
 
-    async def read(self, owner: str, key: str, etag: str, obj_size: int, idx: int,
-                   start: int, length: int) -> bytes | None:
-        return None
-
-    async def fetch(self, owner: str, key: str, etag: str, obj_size: int, idx: int
-                    ) -> bytes | None:
-        return None
+    async def read_into(self, owner: str, key: str, etag: str, obj_size: int, idx: int,
+                        start: int, view: memoryview, progress: Callable[[int], None]
+                        ) -> bool:
+        return False
 
     async def from_previous(self, key: str, etag: str, obj_size: int, idx: int
                             ) -> bytes | None:
@@ -92,82 +106,73 @@ class ChunkRouter:
         self.chunk_size = cache.chunk_size
         self.stats = cache.stats
         self._remote_reads: OrderedDict[ChunkId, int] = OrderedDict()  # bytes via peers
-        self._nursery: trio.Nursery | None = None
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
-        """Own the nursery of background fetches (readahead, near-cache copies)."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            try:
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None
+        self._sources: dict[str, OwnerSource] = {}
+        self._warmed: OrderedDict[ChunkId, None] = OrderedDict()  # cached chunks advised
 
     # -- reading --------------------------------------------------------------------------
 
-    async def read(self, key: str, etag: str, obj_size: int, offset: int, length: int
-                   ) -> bytes:
-        """Bytes [offset, offset+length) of an object version, wherever its chunks are."""
+    async def read(self, key: str, etag: str, obj_size: int, offset: int, length: int,
+                   volatile: bool = False) -> bytes | bytearray | memoryview:
+        """Bytes [offset, offset+length) of an object version, wherever its chunks are.
+        `volatile`: the caller uses them before it next awaits (a FUSE reply), so a view
+        of a buffer may come back instead of a copy."""
         end = min(offset + length, obj_size)
-        parts: list[bytes] = []
+        parts: list[bytes | bytearray | memoryview] = []
         cs = self.chunk_size
         while offset < end:
             idx = offset // cs
             n = min(end, (idx + 1) * cs) - offset
-            start = offset - idx * cs
-            if self.cache.cached(key, etag, idx) is not None:
-                self.stats.hits += 1
-            else:
-                self.stats.misses += 1
-                owner = self.placement.owner(key, etag, idx)
-                if owner is not None:
-                    data = await self._read_remote(owner, key, etag, obj_size, idx, start, n)
-                    if data is not None:
-                        parts.append(data)
-                        offset += n
-                        continue
-            parts.append(await self.cache.read_local(key, etag, obj_size, idx, start, n,
-                                                     self.placement))
+            whole = not parts and offset + n == end  # one chunk holds all of it
+            data = await self._chunk(key, etag, obj_size, idx, offset - idx * cs, n,
+                                     volatile and whole)
+            parts.append(data)
             offset += n
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def _read_remote(self, owner: str, key: str, etag: str, obj_size: int, idx: int,
-                           start: int, length: int) -> bytes | None:
-        data = await self.placement.read(owner, key, etag, obj_size, idx, start, length)
-        if data is None:
-            self.stats.peer_fallbacks += 1
-            return None
-        self.stats.bytes_from_peers += len(data)
-        # A remote chunk read more than once over (a second epoch, a re-read the page
-        # cache lost) is hot: keep a copy in the near-cache.
-        cid = (key, etag, idx)
-        seen = self._remote_reads.pop(cid, 0) + len(data)
-        if (self.cache.near_capacity and seen > self.cache.chunk_len(obj_size, idx)
-                and self._nursery is not None and not self.cache.busy(key, etag, idx)):
-            self._nursery.start_soon(self._near_one, owner, cid, obj_size)
+    async def _chunk(self, key: str, etag: str, obj_size: int, idx: int, start: int,
+                     n: int, volatile: bool) -> bytes | memoryview:
+        cache = self.cache
+        if cache.busy(key, etag, idx):
+            self.stats.hits += 1
         else:
-            self._remote_reads[cid] = seen
-            if len(self._remote_reads) > REMOTE_READS_KEPT:
-                self._remote_reads.popitem(last=False)
-        return data
+            self.stats.misses += 1
+        owner = self.placement.owner(key, etag, idx)
+        if owner is not None:
+            try:
+                return await cache.read(key, etag, obj_size, idx, start, n,
+                                        self._from(owner), **self._remote_policy(
+                                            key, etag, obj_size, idx, n),
+                                        volatile=volatile)
+            except PeerError as e:
+                self.stats.peer_fallbacks += 1
+                log.info("owner %s could not serve chunk %d of %r, reading S3: %s", owner,
+                         idx, key, e)
+        return await cache.read(key, etag, obj_size, idx, start, n,
+                                previous=self.placement, volatile=volatile)
 
-    async def _near_one(self, owner: str, cid: ChunkId, obj_size: int) -> None:
-        key, etag, idx = cid
+    def _from(self, owner: str) -> OwnerSource:
+        src = self._sources.get(owner)
+        if src is None:
+            src = self._sources[owner] = OwnerSource(self.placement, owner)
+        return src
 
-        async def fetch() -> bytes | None:
-            return await self.placement.fetch(owner, key, etag, obj_size, idx)
-
-        try:
-            await self.cache.ensure_near(key, etag, obj_size, idx, fetch)
-        except Exception as e:  # best effort, like readahead
-            log.debug("near-cache copy of %r chunk %d failed: %s", key, idx, e)
+    def _remote_policy(self, key: str, etag: str, obj_size: int, idx: int, n: int
+                       ) -> dict[str, bool]:
+        """Another node's chunk goes through memory, and is kept here (the near-cache)
+        once it has been read more than once over (a second epoch, a re-read the page
+        cache lost)."""
+        cid = (key, etag, idx)
+        seen = self._remote_reads.pop(cid, 0) + n
+        self._remote_reads[cid] = seen
+        if len(self._remote_reads) > REMOTE_READS_KEPT:
+            self._remote_reads.popitem(last=False)
+        hot = bool(self.cache.near_capacity) and seen > self.cache.chunk_len(obj_size, idx)
+        return {"keep": hot, "near": hot}
 
     # -- serving peers (we are the owner) -------------------------------------------------
 
     async def serve(self, key: str, etag: str, obj_size: int, idx: int, start: int,
-                    length: int) -> bytes:
+                    length: int) -> bytes | memoryview:
         """Bytes of one chunk for a peer, from this node's cache (fetched from S3 or a
         previous owner if missing: never forwarded to another owner, so no loops)."""
         length = max(0, min(length, self.cache.chunk_len(obj_size, idx) - start))
@@ -176,13 +181,11 @@ class ChunkRouter:
         self.stats.bytes_served_to_peers += len(data)
         return data
 
-    def cached_chunk(self, key: str, etag: str, idx: int) -> bytes | None:
-        """The whole chunk if this node has it, without fetching."""
-        ch = self.cache.cached(key, etag, idx)
-        if ch is None:
-            return None
-        data = ch.read(0, ch.size)
-        self.stats.bytes_served_to_peers += len(data)
+    def cached_chunk(self, key: str, etag: str, idx: int) -> memoryview | None:
+        """The whole chunk if this node has it (verified), without fetching."""
+        data = self.cache.read_cached(key, etag, idx)
+        if data is not None:
+            self.stats.bytes_served_to_peers += len(data)
         return data
 
     # -- readahead ------------------------------------------------------------------------
@@ -195,6 +198,11 @@ class ChunkRouter:
         local: list[int] = []
         for idx in range(first, min(first + count, last + 1)):
             if self.cache.busy(key, etag, idx):
+                if first <= idx < first + 2 and (key, etag, idx) not in self._warmed:
+                    self._warmed[(key, etag, idx)] = None  # cached: its pages, ahead
+                    if len(self._warmed) > REMOTE_READS_KEPT:
+                        self._warmed.popitem(last=False)
+                    self.cache.warm_pages(key, etag, idx)
                 continue
             owner = self.placement.owner(key, etag, idx)
             if owner is None:
@@ -203,21 +211,25 @@ class ChunkRouter:
                 remote[owner].append(idx)
         self.readahead_local(key, etag, obj_size, local)
         for owner, idxs in remote.items():
-            self.placement.readahead(owner, key, etag, obj_size, idxs)
+            # Another node's chunks come ahead into memory here (the owner fetches them
+            # from S3 first if it must); those without a free buffer are only announced,
+            # so that the owner has them when we ask.
+            src = self._from(owner)
+            started = 0
+            for idx in idxs:
+                if not self.cache.start(key, etag, obj_size, idx, src, keep=False):
+                    break
+                started += 1
+            if idxs[started:]:
+                self.placement.readahead(owner, key, etag, obj_size, idxs[started:])
 
     def readahead_local(self, key: str, etag: str, obj_size: int, idxs: list[int]) -> None:
-        """Start background downloads of these chunks into this node's cache."""
-        if self._nursery is None:
-            return
+        """Start background downloads of these chunks into this node's cache, as far as
+        download buffers are free now (readahead never queues behind readers)."""
         for idx in idxs:
-            if not self.cache.busy(key, etag, idx):
-                self._nursery.start_soon(self._readahead_one, key, etag, obj_size, idx)
-
-    async def _readahead_one(self, key: str, etag: str, obj_size: int, idx: int) -> None:
-        try:
-            await self.cache.ensure(key, etag, obj_size, idx, self.placement)
-        except Exception as e:  # readahead is best effort; the real read reports errors
-            log.debug("readahead of %r chunk %d failed: %s", key, idx, e)
+            if not self.cache.busy(key, etag, idx) and not self.cache.start(
+                    key, etag, obj_size, idx, self.placement):
+                return
 
     # -- small objects --------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ CREATE TABLE IF NOT EXISTS chunks (
     size INTEGER NOT NULL,
     atime REAL NOT NULL,
     pinned INTEGER NOT NULL DEFAULT 0,  -- 1: kept until unpinned (prefetch --pin)
+    sums BLOB,                  -- xxh3-64 of each 256 KiB block, verified on every read
     UNIQUE (key, etag, idx)
 );
 -- One row per file whose data lives in a local file under local/ (new or modified files).
@@ -58,6 +59,8 @@ class StateDB:
         cols = {row[1] for row in self.conn.execute("PRAGMA table_info(chunks)")}
         if "pinned" not in cols:  # a cache dir from before pinning existed
             self.conn.execute("ALTER TABLE chunks ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
+        if "sums" not in cols:  # from before checksums: such chunks are fetched again
+            self.conn.execute("ALTER TABLE chunks ADD COLUMN sums BLOB")
         row = self.conn.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
         if row is None:
             self.conn.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -47,8 +48,10 @@ class PeerClient:
         self.inflight = inflight
         self.node_id = membership.me.id
 
-    async def call(self, node: str, msg: dict[str, Any], max_data: int, timeout: float
-                   ) -> tuple[dict[str, Any], bytearray | None] | None:
+    async def call(self, node: str, msg: dict[str, Any], max_data: int, timeout: float,
+                   into: memoryview | None = None,
+                   progress: Callable[[int], None] | None = None
+                   ) -> tuple[dict[str, Any], bytearray | memoryview | None] | None:
         """A request to a member; None (and the member routed around) if it cannot answer.
         An error the member answered with is raised when it is about the request, and
         treated as unanswered (without suspecting the member) otherwise."""
@@ -59,7 +62,8 @@ class PeerClient:
         self.inflight.add(node, scope)
         try:
             with scope:
-                return await self.pool.request(addr, msg, timeout=timeout, max_data=max_data)
+                return await self.pool.request(addr, msg, timeout=timeout, max_data=max_data,
+                                               into=into, progress=progress)
             log.info("request %r to %s abandoned: the peer stopped answering", msg["op"], node)
             return None
         except PeerError as e:

@@ -183,18 +183,22 @@ class PeerPool:
         return _Conn(fs)
 
     async def request(self, addr: str, msg: dict[str, Any], *, timeout: float,
-                      max_data: int = 0) -> tuple[dict[str, Any], bytearray | None]:
-        """Send one request and return (reply, data). Raises PeerError (AuthError,
+                      max_data: int = 0, into: memoryview | None = None,
+                      progress: Callable[[int], None] | None = None
+                      ) -> tuple[dict[str, Any], bytearray | memoryview | None]:
+        """Send one request and return (reply, data). Data lands in `into` when given
+        (exactly that many bytes are then expected). Raises PeerError (AuthError,
         ProtocolError) when the peer cannot answer, and the reply's error when it failed."""
         self.requests += 1
         t0 = time.perf_counter()
         try:
-            return await self._request(addr, msg, timeout, max_data)
+            return await self._request(addr, msg, timeout, max_data, into, progress)
         finally:
             PEER_SECONDS.labels(str(msg.get("op"))).observe(time.perf_counter() - t0)
 
-    async def _request(self, addr: str, msg: dict[str, Any], timeout: float, max_data: int
-                       ) -> tuple[dict[str, Any], bytearray | None]:
+    async def _request(self, addr: str, msg: dict[str, Any], timeout: float, max_data: int,
+                       into: memoryview | None, progress: Callable[[int], None] | None
+                       ) -> tuple[dict[str, Any], bytearray | memoryview | None]:
         for attempt in range(2):
             idle = self._idle.get(addr)
             conn = idle.pop() if idle else await self._connect(addr)
@@ -205,10 +209,12 @@ class PeerPool:
                     data = None
                     size = reply.get("data")
                     if size is not None:
-                        if not isinstance(size, int) or not 0 <= size <= max_data:
+                        limit = max_data if into is None else len(into)
+                        if (not isinstance(size, int) or not 0 <= size <= limit
+                                or (into is not None and size != len(into))):
                             raise ProtocolError(f"peer {addr} offered {size!r} data bytes "
-                                                f"(limit {max_data})")
-                        data = await conn.fs.recv_data(size)
+                                                f"(limit {limit})")
+                        data = await conn.fs.recv_data(size, into, progress)
             except trio.TooSlowError:
                 await _close(conn.fs)
                 self.failures += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -54,20 +55,15 @@ class ChunkPlacement:
         node = self.membership.owner(chunk_point(key, etag, idx))
         return None if node == self.node_id else node
 
-    async def read(self, owner: str, key: str, etag: str, obj_size: int, idx: int,
-                   start: int, length: int) -> bytes | None:
+    async def read_into(self, owner: str, key: str, etag: str, obj_size: int, idx: int,
+                        start: int, view: memoryview, progress: Callable[[int], None]
+                        ) -> bool:
         got = await self.client.call(owner, {"op": "read", "key": key, "etag": etag,
                                              "size": obj_size, "idx": idx, "start": start,
-                                             "len": length},
-                                     max_data=length, timeout=self.request_timeout)
-        return None if got is None or got[1] is None else bytes(got[1])
-
-    async def fetch(self, owner: str, key: str, etag: str, obj_size: int, idx: int
-                    ) -> bytes | None:
-        got = await self.client.call(owner, {"op": "chunk", "key": key, "etag": etag,
-                                             "size": obj_size, "idx": idx},
-                                     max_data=self.chunk_size, timeout=self.request_timeout)
-        return None if got is None or got[1] is None else bytes(got[1])
+                                             "len": len(view)},
+                                     max_data=len(view), timeout=self.request_timeout,
+                                     into=view, progress=progress)
+        return got is not None and got[1] is not None
 
     async def from_previous(self, key: str, etag: str, obj_size: int, idx: int
                             ) -> bytes | None:

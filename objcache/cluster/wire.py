@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import os
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -101,22 +102,29 @@ class FrameStream:
             raise ProtocolError(f"{self.remote} sent a {type(msg).__name__}, expected a map")
         return msg
 
-    async def recv_data(self, length: int) -> bytearray:
-        """A DATA frame of exactly `length` bytes, received in place."""
+    async def recv_data(self, length: int, into: memoryview | None = None,
+                        progress: Callable[[int], None] | None = None
+                        ) -> bytearray | memoryview:
+        """A DATA frame of exactly `length` bytes, received in place: into `into` when
+        given (the caller's buffer: no copy), calling `progress(n)` as bytes arrive."""
         got = await self._header(KIND_DATA, length)
         if got != length:
             raise ProtocolError(f"{self.remote} sent {got} data bytes, expected {length}")
-        out = bytearray(length)
-        have = min(len(self._buf), length)
-        out[:have] = self._buf[:have]
-        del self._buf[:have]
+        if into is not None and len(into) != length:
+            raise ValueError("the receiving buffer does not fit the data")
+        out: bytearray | memoryview = bytearray(length) if into is None else into
         view = memoryview(out)
+        have = min(len(self._buf), length)
+        view[:have] = self._buf[:have]
+        del self._buf[:have]
         sock = self.stream.socket
         while have < length:
             n = await sock.recv_into(view[have:])
             if not n:
                 raise PeerError(f"{self.remote} closed the connection mid-transfer")
             have += n
+            if progress is not None:
+                progress(have)
         return out
 
 

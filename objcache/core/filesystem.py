@@ -902,7 +902,9 @@ class Filesystem:
         fh = self._new_handle(FileHandle(inode, True, EMPTY, lf))
         return fh, self.attr(inode)
 
-    async def read(self, fh: int, offset: int, size: int) -> bytes:
+    async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray | memoryview:
+        """Bytes at `offset` of an open file, to be used before the caller next awaits
+        (they may be a view of a reused buffer; a FUSE reply is sent at once)."""
         h = self.handle(fh)
         lf = h.lf or self._working_copy_of(h.inode)  # written on this node: read that
         if lf is not None:

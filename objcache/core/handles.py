@@ -27,9 +27,12 @@ if TYPE_CHECKING:
 
 
 class Source(Protocol):
+    """`read` returns bytes the caller uses before it next awaits (a FUSE reply is
+    sent at once): they may be a view of a buffer that is reused later."""
+
     size: int
 
-    async def read(self, offset: int, length: int) -> bytes: ...
+    async def read(self, offset: int, length: int) -> bytes | bytearray | memoryview: ...
 
 
 class _Empty:
@@ -43,9 +46,12 @@ EMPTY = _Empty()
 
 
 class ObjectSource:
-    """An S3 object version. A reader at the offset where the last read ended (or at 0) is
+    """An S3 object version. A reader near where its reads have got to (or at 0) is
     sequential: the next chunks are started before waiting for this one, so a cold reader
-    has the whole readahead window in flight from its first read."""
+    has the readahead window in flight from its first read. "Near" is within a chunk
+    either way: the kernel's readahead sends several requests at once, which arrive out of
+    order, and an mmap reader faulting pages in tensor order skips the gaps between
+    tensors; a reader that jumps further is random and starts nothing ahead."""
 
     def __init__(self, router: ChunkRouter, ref: ObjectRef, readahead_chunks: int) -> None:
         self.router = router
@@ -54,15 +60,16 @@ class ObjectSource:
         self.readahead_chunks = readahead_chunks
         self.next_offset = -1
 
-    async def read(self, offset: int, length: int) -> bytes:
+    async def read(self, offset: int, length: int) -> bytes | bytearray | memoryview:
         ref = self.ref
         if offset >= ref.size:
             return b""
-        if offset == self.next_offset or offset == 0:
-            cs = self.router.chunk_size
+        cs = self.router.chunk_size
+        if offset == 0 or abs(offset - self.next_offset) <= cs:
             self.router.readahead(ref.key, ref.etag, ref.size, offset // cs + 1,
                                   self.readahead_chunks)
-        data = await self.router.read(ref.key, ref.etag, ref.size, offset, length)
+        data = await self.router.read(ref.key, ref.etag, ref.size, offset, length,
+                                      volatile=True)
         self.next_offset = offset + len(data)
         return data
 

@@ -7,7 +7,7 @@ is the directory's key plus '/'. Implementations: `s3.S3Store` (boto3) and
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,15 +44,14 @@ class ObjectStore(Protocol):
         """True when at least one key starts with `prefix`."""
         ...
 
-    async def get_range_into(self, key: str, etag: str | None, start: int, length: int,
-                             fd: int, file_offset: int) -> None:
-        """Write bytes [start, start+length) of the object into `fd` at `file_offset`.
-
-        Raises StaleObject when the object's ETag is no longer `etag`.
-        """
-        ...
-
     async def get_range(self, key: str, etag: str | None, start: int, length: int) -> bytes: ...
+
+    async def get_into(self, key: str, etag: str | None, start: int, buf: memoryview,
+                       progress: Callable[[int], None] | None = None) -> None:
+        """Bytes [start, start+len(buf)) into `buf` as they arrive; `progress(n)` (maybe
+        from another thread) says how many from the front of `buf` are in. Raises
+        StaleObject when the object's ETag is no longer `etag`."""
+        ...
 
     async def head_by_get(self, key: str, length: int, fd: int
                           ) -> tuple[ObjectInfo, int] | None:

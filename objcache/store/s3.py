@@ -318,8 +318,12 @@ class S3Store:
             args["IfMatch"] = etag
         return args
 
-    async def get_range_into(self, key: str, etag: str | None, start: int, length: int,
-                             fd: int, file_offset: int) -> None:
+    async def get_into(self, key: str, etag: str | None, start: int, buf: memoryview,
+                       progress: Callable[[int], None] | None = None) -> None:
+        """Bytes [start, start+len(buf)) of the object into `buf` as they arrive;
+        `progress(n)` (called in a worker thread) says how many are in. A retried attempt
+        starts over at the front of `buf` (the same bytes: the ETag is pinned)."""
+        length = len(buf)
         if length <= 0:
             return
         args = self._get_args(key, etag, start, length)
@@ -327,10 +331,25 @@ class S3Store:
 
         def fn() -> None:
             if fast is not None:
-                body = fast.get(args["Key"], start, length, etag)
+                done = fast.get_into(args["Key"], start, buf, etag, progress)
             else:
                 body = self.client.get_object(**args)["Body"]
-            self._body_into(body, length, fd, file_offset)
+                done = 0
+                try:
+                    while done < length:
+                        piece = body.read(min(_READ_PIECE, length - done))
+                        if not piece:
+                            break
+                        buf[done:done + len(piece)] = piece
+                        done += len(piece)
+                        if progress is not None:
+                            progress(done)
+                finally:
+                    body.close()
+            self.stats.bytes_in += done
+            if done != length:
+                # A short body is a dropped connection: let the retry loop fetch it again.
+                raise bex.IncompleteReadError(actual_bytes=done, expected_bytes=length)
 
         await self._call("get", key, fn, self.get_limiter)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -31,6 +32,8 @@ from botocore.httpsession import get_cert_path
 from botocore.utils import percent_encode
 
 _META = "x-amz-meta-"
+_PIECE = 1 << 20  # bytes per readinto (and per progress report) of a GET body
+Progress = Callable[[int], None]
 # Virtual-hosted style needs a DNS label; with dots TLS host names break.
 _DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")
@@ -134,6 +137,27 @@ class SignedHttp:
             raise bex.ClientError({"Error": {"Code": "RangeIgnored", "Message": ""},
                                    "ResponseMetadata": {"HTTPStatusCode": 200}}, "GetObject")
         return r
+
+    def get_into(self, key: str, start: int, buf: memoryview, etag: str | None,
+                 progress: Progress | None) -> int:
+        """Bytes start..start+len(buf)-1 into `buf`, read from the socket straight into
+        it (http.client's readinto: no intermediate copy; urllib3's own readinto copies);
+        `progress(n)` after each piece with the bytes in so far. Returns how many came."""
+        n = len(buf)
+        r = self.get(key, start, n, etag)
+        fp = r._fp  # the http.client response under urllib3's (raw bytes, no decoding)
+        done = 0
+        try:
+            while done < n:
+                k = fp.readinto(buf[done:min(n, done + _PIECE)])
+                if not k:
+                    break
+                done += k
+                if progress is not None:
+                    progress(done)
+        finally:
+            self.done(r, done == n)
+        return done
 
     @staticmethod
     def done(r: Any, complete: bool) -> None:

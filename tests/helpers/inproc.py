@@ -55,6 +55,7 @@ class FaultyStore:
         self.faults.append(Fault(op, skip, times, "stall", seconds=seconds))
 
     def short(self, op: str, times: int = 1, skip: int = 0) -> None:
+        """Bodies that end early: half arrives, then the call fails."""
         self.faults.append(Fault(op, skip, times, "short"))
 
     def clear(self) -> None:
@@ -104,14 +105,18 @@ class FaultyStore:
         await self._before("list")
         return await self.inner.has_prefix(prefix)
 
-    async def get_range_into(self, key: str, etag: str | None, start: int, length: int,
-                             fd: int, file_offset: int) -> None:
+    async def get_into(self, key: str, etag: str | None, start: int, buf: memoryview,
+                       progress: Any = None) -> None:
         short = await self._before("get")
-        if short:
-            data = await self.inner.get_range(key, etag, start, length)
-            os.pwrite(fd, data[:len(data) // 2], file_offset)
-            return
-        await self.inner.get_range_into(key, etag, start, length, fd, file_offset)
+        if short:  # half the body arrives, then the connection drops (after retries)
+            data = await self.inner.get_range(key, etag, start, len(buf))
+            half = len(data) // 2
+            buf[:half] = data[:half]
+            if progress is not None:
+                progress(half)
+            raise StoreUnavailable(f"injected: the body of {key!r} ended after {half} "
+                                   f"of {len(data)} bytes")
+        await self.inner.get_into(key, etag, start, buf, progress)
 
     async def get_range(self, key: str, etag: str | None, start: int, length: int) -> bytes:
         short = await self._before("get")

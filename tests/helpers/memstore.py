@@ -6,7 +6,7 @@ import hashlib
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import trio
 import trio.lowlevel
@@ -63,11 +63,14 @@ class MemoryStore:
             raise StaleObject(key)
         return body
 
-    async def get_range_into(self, key: str, etag: str | None, start: int, length: int,
-                             fd: int, file_offset: int) -> None:
+    async def get_into(self, key: str, etag: str | None, start: int, buf: memoryview,
+                       progress: Callable[[int], None] | None = None) -> None:
         self.calls["get"] += 1
         await trio.sleep(self.delay)
-        os.pwrite(fd, self._check(key, etag)[start:start + length], file_offset)
+        data = self._check(key, etag)[start:start + len(buf)]
+        buf[:len(data)] = data
+        if progress is not None:
+            progress(len(data))
 
     async def get_range(self, key: str, etag: str | None, start: int, length: int) -> bytes:
         self.calls["get"] += 1

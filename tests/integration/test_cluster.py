@@ -159,7 +159,7 @@ def test_late_joiner_reads_without_refetching(s3, bucket, cluster, proxy):  # ty
                 for i in range(16))
     st = late.status()["cache"]
     assert st["chunks"] == owned and st["bytes_read_from_s3"] == 0, (owned, st)
-    assert st["bytes_read_from_peers"] == 96 * MIB, st
+    assert st["bytes_fetched_from_peers"] == 96 * MIB, st  # all of it from the others
 
 
 def _refused(addr: str, payload: bytes) -> bool:
@@ -266,9 +266,9 @@ def test_hot_remote_chunks_are_kept_in_the_near_cache(s3, bucket, cluster):  # t
     while a.status()["cache"]["near_cache_bytes"] < remote * 8 * MIB:
         assert time.monotonic() < deadline, a.status()["cache"]
         time.sleep(0.2)
-    before = a.status()["cache"]["bytes_read_from_peers"]
-    assert _sha(path) == digest  # the third epoch is served from a's own disk
-    assert a.status()["cache"]["bytes_read_from_peers"] == before
+    before = a.status()["cache"]["bytes_fetched_from_peers"]
+    assert _sha(path) == digest  # the third epoch moves nothing from b: a has it all
+    assert a.status()["cache"]["bytes_fetched_from_peers"] == before
 
 
 def test_a_peer_name_standing_for_several_nodes_is_resolved(s3, bucket, cluster):  # type: ignore

@@ -76,7 +76,9 @@ def test_cache_survives_restart_and_concurrent_reads_share_gets(s3, bucket, moun
         return (m.mnt / "f.bin").read_bytes()
     with ThreadPoolExecutor(6) as pool:
         assert all(r == data for r in pool.map(lambda _: read(), range(6)))
-    assert gets(m) == 2  # two chunks, fetched once each however many readers
+    # Two 5 MiB chunks, fetched once each however many readers: 4 + 1 MiB ranged GETs.
+    assert gets(m) == 4
+    assert m.status()["cache"]["bytes_read_from_s3"] == len(data)
     objcache("umount", str(m.mnt))
     m2 = mount(*SMALL_CHUNKS, cache=m.cache, mnt=m.mnt)
     assert (m2.mnt / "f.bin").read_bytes() == data

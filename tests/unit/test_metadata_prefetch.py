@@ -46,7 +46,7 @@ async def env(tmp_path: Path) -> AsyncIterator[tuple[Filesystem, MemoryStore]]:
     fs = Filesystem(cfg, LocalBackend(cfg, store, local), router, local)  # type: ignore[arg-type]
     store.delay = 0.001
     async with trio.open_nursery() as n:
-        await n.start(router.run)
+        await n.start(cache.run)
         await n.start(fs.run)
         yield fs, store
         n.cancel_scope.cancel()
