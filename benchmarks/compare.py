@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks import reads
 from benchmarks.single_node import (
     boto3_download,
     drop_page_cache,
@@ -159,6 +160,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small-files", type=int, default=10_000)
     ap.add_argument("--big-size", default="1G")
+    ap.add_argument("--read-profiles", default="loopback,wan",
+                    help="S3 profiles of the model-loading benchmark (benchmarks.reads); "
+                         "empty: skip it")
     args = ap.parse_args()
     big_size = parse_size(args.big_size)
     for pkg, binary in (("s3fs", "s3fs"), ("rclone", "rclone")):
@@ -292,6 +296,13 @@ def main() -> None:
             "list_objects_v2").paginate(Bucket=bucket, Prefix="dirty/"))
         cl["peak_rss_bytes"] = max(r.stop() for r in rss_nodes)
         results["objcache_3_nodes"] = cl
+        for m in mounts:
+            m.stop()
+        mounts.clear()
+        if args.read_profiles:
+            (work / "reads").mkdir()
+            results["reads"] = reads.run(big_size, args.read_profiles.split(","),
+                                         work / "reads", weed)
     finally:
         for m in mounts:
             m.stop()
@@ -376,8 +387,26 @@ def write_report(res: dict[str, Any], big_size: int, n_small: int) -> None:
     for name in ("objcache", "s3fs", "rclone"):
         if res.get(name, {}).get("error"):
             lines.append(f"{name} failed: {res[name]['error']}")
+    if res.get("reads"):
+        lines += ["## Model loading and big reads (`benchmarks.reads`)", "",
+                  "A safetensors model of the big size (16 tensors), loaded with "
+                  "`safetensors.torch.load_file` in a fresh process until every page has "
+                  "reached memory, against downloading it with 8 x 8 MiB ranged GETs and "
+                  "loading the local copy.", ""]
+        lines += reads.report(res["reads"])
+    table = lines[:]
     lines += ["", "Raw figures:", "", "```", json.dumps(res, indent=1, default=str), "```", ""]
     (DOCS / "benchmarks-compare.md").write_text("\n".join(lines))
+    # Every run's tables also go into the benchmark log (newest last).
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    head = [f"### Run of {stamp} (`benchmarks.compare`)", ""]
+    log_md = DOCS / "benchmarks.md"
+    text = log_md.read_text()
+    marker = "\n## Transactions"
+    cut = text.index(marker) if marker in text else len(text)
+    body = [ln.replace("## Model loading", "#### Model loading") for ln in table[2:]]
+    log_md.write_text(text[:cut].rstrip("\n") + "\n\n" + "\n".join(head + body).rstrip()
+                      + "\n" + text[cut:])
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -132,7 +132,8 @@ def wan_proxy(port: int, delay_ms: float, mbps: float) -> Iterator[str]:
 
 def measure(endpoint: str, s3: Any, bucket: str, work: Path, size: int,
             model: Path) -> dict[str, Any]:
-    """Every figure of one S3 profile (`endpoint`)."""
+    """Every figure of one S3 profile (`endpoint`), with caches of its own in `work`."""
+    work.mkdir(exist_ok=True)
     import boto3
     from botocore.config import Config
     c = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY,
@@ -245,9 +246,11 @@ def run(size: int, profiles: list[str], work: Path | None = None,
         for profile in profiles:
             if profile == "wan":
                 with wan_proxy(weed.port, 12, 80) as endpoint:
-                    out[profile] = measure(endpoint, s3, bucket, work, size, model)
+                    out[profile] = measure(endpoint, s3, bucket, work / profile, size,
+                                           model)
             else:
-                out[profile] = measure(weed.endpoint, s3, bucket, work, size, model)
+                out[profile] = measure(weed.endpoint, s3, bucket, work / profile, size,
+                                       model)
             print(profile, json.dumps(out[profile]), flush=True)
     finally:
         if started:
@@ -257,6 +260,52 @@ def run(size: int, profiles: list[str], work: Path | None = None,
     return out
 
 
+def _x(a: float | None, b: float | None) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def report(res: dict[str, Any]) -> list[str]:
+    """Markdown tables of a run, one row per figure, with the ratios issue 14 targets."""
+    gb = res["size"] / 1e9
+    lines = []
+    for profile in ("loopback", "wan"):
+        r = res.get(profile)
+        if not r:
+            continue
+        dtl, ceil = r["download_then_load_s"], r["boto3_get_s"]
+        title = ("S3 on loopback" if profile == "loopback" else
+                 "WAN-like S3 (12 ms each way, 80 MB/s per connection)")
+        rows = [
+            ("cold load, 1 node", r["cold_load_s"],
+             f"{_x(r['cold_load_s'], dtl)} download-then-load", "<= 0.9x"),
+            ("warm load, 1 node (page cache dropped)", r["warm_load_s"],
+             f"{_x(r['warm_load_s'], dtl)} download-then-load", ""),
+            ("load on a 2nd node, from what the cluster holds",
+             r["cluster_second_node_load_s"],
+             f"{_x(r['cluster_second_node_load_s'], dtl)} download-then-load", "<= 0.6x"),
+            ("load on the cluster's 1st node (cold)", r["cluster_first_load_s"],
+             f"{_x(r['cluster_first_load_s'], dtl)} download-then-load", ""),
+            ("sequential read cold", r["cold_read_s"],
+             f"{_x(ceil, r['cold_read_s'])} of the boto3 ceiling, "
+             f"{_x(r.get('s3fs_cold_read_s'), r['cold_read_s'])} s3fs-fuse's speed",
+             ">= 0.8x, >= 1.5x"),
+            ("sequential read warm (page cache dropped)", r["warm_read_s"],
+             f"{_x(r['local_disk_read_s'], r['warm_read_s'])} of a local file's speed",
+             ">= 0.8x"),
+        ]
+        lines += [f"{title}: boto3 8 x 8 MiB ranged GETs {ceil:.2f} s "
+                  f"({gb / ceil:.2f} GB/s); download with them, then load "
+                  f"{dtl:.2f} s; a local file on the cache disk read in "
+                  f"{r['local_disk_read_s']:.2f} s; s3fs-fuse cold read "
+                  + (f"{r['s3fs_cold_read_s']:.2f} s." if r.get("s3fs_cold_read_s")
+                     else "not run."), "",
+                  "| 1 GiB | objcache (s) | ratio | target |", "|---|---|---|---|"]
+        lines += [f"| {n} | {v:.2f} | {ratio} | {t} |" for n, v, ratio, t in rows]
+        lines += [f"| peak daemon RSS, cold read (MB) | {r['cold_read_rss_bytes'] / 1e6:.0f}"
+                  " | | < 200 |", ""]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="1G")
@@ -264,6 +313,7 @@ def main() -> None:
     args = ap.parse_args()
     res = run(parse_size(args.size), args.profiles.split(","))
     print(json.dumps(res, indent=1))
+    print("\n".join(report(res)))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
                            "(default 5)"}),
     ("--metadata-ttl", {"metavar": "SECONDS",
                         "help": "revalidate S3 metadata after this long (default 30)"}),
-    ("--readahead", {"metavar": "SIZE", "help": "sequential readahead window (default 128M)"}),
+    ("--readahead", {"metavar": "SIZE", "help": "sequential readahead window (default 64M)"}),
     ("--s3-concurrency", {"metavar": "N", "type": int,
-                          "help": "parallel S3 transfers (default 8)"}),
+                          "help": "parallel S3 transfers (default 16)"}),
     ("--listen", {"metavar": "HOST:PORT", "help": "join a cluster: this node's peer "
                   "address (without it the daemon runs alone)"}),
     ("--peers", {"metavar": "HOST:PORT,...", "help": "members to join through (none "

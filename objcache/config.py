@@ -66,8 +66,8 @@ class MountConfig:
     chunk_size: int = 16 * MIB
     writeback_delay: float = 5.0
     metadata_ttl: float = 30.0
-    readahead: int = 128 * MIB
-    s3_concurrency: int = 8
+    readahead: int = 64 * MIB
+    s3_concurrency: int = 16
     s3_retry_seconds: float = 60.0
     foreground: bool = False
     read_only: bool = False

@@ -200,8 +200,10 @@ def build(cfg: MountConfig, store: ObjectStore, path: Path, mountpoint: str,
     (with cfg.listen) a cluster member. `leave` is what `umount`/`drain` requests do once
     answered."""
     db = StateDB(path / "state.db")
+    # Download buffers: the readahead window, the chunk being read, one spare.
     cache = ChunkCache(db, path, cfg.cache_size, cfg.chunk_size, store,
-                       near_capacity=cfg.near_cache_size or 0)
+                       near_capacity=cfg.near_cache_size or 0,
+                       buffers=max(1, cfg.readahead // cfg.chunk_size) + 2)
     node: ClusterNode | None = None
     if cfg.listen:
         key = load_secret(cfg.cluster_secret_file)
@@ -302,7 +304,7 @@ class Daemon:
         # The kernel resets the readahead window when FUSE's INIT completes, so raise it
         # only after a first request (a stat in a thread, answered by the loop) got through.
         await trio.to_thread.run_sync(os.stat, self.mountpoint)
-        set_read_ahead(self.mountpoint, int(os.environ.get("OBJCACHE_RA_KB", "1024")))
+        set_read_ahead(self.mountpoint)
 
     async def _main(self, ready: Any) -> None:
         parts = self.parts

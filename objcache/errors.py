@@ -100,6 +100,10 @@ class AuthError(ProtocolError):
     """A peer does not hold the cluster secret (or we do not hold its)."""
 
 
+class BadChecksum(ProtocolError):
+    """A peer's chunk bytes do not match the block sums it sent with them."""
+
+
 # The one table: exception -> (wire code, errno). Codes are stable: they are in Raft logs.
 _TABLE: dict[type[ObjcacheError], tuple[str, int]] = {
     ObjcacheError: ("failed", _errno.EIO),
@@ -121,6 +125,7 @@ _TABLE: dict[type[ObjcacheError], tuple[str, int]] = {
     Conflict: ("conflict", _errno.EIO),
     ProtocolError: ("protocol", _errno.EIO),
     AuthError: ("auth", _errno.EIO),
+    BadChecksum: ("badsum", _errno.EIO),
 }
 for _cls, (_code, _no) in _TABLE.items():
     _cls.code, _cls.errno = _code, _no

@@ -358,6 +358,7 @@ class ChunkCache:
         # the buffer is needed for another download.
         self._recent: OrderedDict[ChunkId, _Fetch] = OrderedDict()
         self._touched: set[int] = set()
+        self._advised: OrderedDict[ChunkId, None] = OrderedDict()
         self._nursery: trio.Nursery | None = None
         (root / "chunks").mkdir(parents=True, exist_ok=True)
         tmp = root / "tmp"
@@ -548,6 +549,17 @@ class ChunkCache:
                 raise CorruptChunk(f"chunk {ch.idx} of {ch.key!r} block {b}")
         return data[start - lo:start - lo + n]
 
+    def block_sums_of(self, key: str, etag: str, idx: int, start: int, n: int
+                      ) -> bytes | None:
+        """The stored sums of a cached chunk's bytes [start, start+n), if it is cached and
+        they are whole blocks (the last block may end at the chunk's end)."""
+        ch = self._index.get((key, etag, idx))
+        if (ch is None or start % VERIFY_BLOCK
+                or ((start + n) % VERIFY_BLOCK and start + n != ch.size)):
+            return None
+        first, last = start // VERIFY_BLOCK, -(-(start + n) // VERIFY_BLOCK)
+        return ch.sums[first * 8:last * 8]
+
     def read_cached(self, key: str, etag: str, idx: int) -> bytes | memoryview | None:
         """A whole cached chunk (verified), or None if it is not cached (or corrupt)."""
         recent = self._recent.get((key, etag, idx))
@@ -561,20 +573,6 @@ class ChunkCache:
         except CorruptChunk as e:
             self._corrupt(ch, e)
             return None
-
-    def warm_pages(self, key: str, etag: str, idx: int) -> None:
-        """A reader is coming: have the kernel read a cached chunk's file ahead (async)."""
-        ch = self._index.get((key, etag, idx))
-        if ch is None or (key, etag, idx) in self._recent:
-            return
-        try:
-            fd = os.open(ch.path, os.O_RDONLY)
-        except FileNotFoundError:
-            return
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
 
     def _corrupt(self, ch: Chunk, e: CorruptChunk) -> None:
         log.warning("cache file of %s fails its checksum: dropped, fetched again", e)
@@ -683,7 +681,7 @@ class ChunkCache:
             if fetch.result is None and cid not in self._index:
                 return None
 
-    def start(self, key: str, etag: str, obj_size: int, idx: int,
+    def start(self, key: str, etag: str, obj_size: int, idx: int, *,
               source: ChunkSource | None = None, keep: bool = True,
               previous: PreviousOwners = NO_PREVIOUS, near: bool = False) -> bool:
         """Start fetching a chunk in the background if it is neither cached, in memory nor
@@ -699,6 +697,25 @@ class ChunkCache:
             return False
         self._start(cid, obj_size, source or self.s3, keep, previous, near, buf=buf)
         return True
+
+    def advise(self, key: str, etag: str, idx: int) -> None:
+        """A sequential reader is coming to this cached chunk: have the kernel read its
+        file into the page cache now (asynchronously), so that the reader's preads on the
+        event loop are memory copies. (Measured on the cache disk: buffered reads behind
+        the kernel's readahead beat O_DIRECT reads of any size, and staging chunks into
+        download buffers in worker threads cost more CPU than it saved; see
+        docs/benchmarks.md.)"""
+        cid = (key, etag, idx)
+        ch = self._index.get(cid)
+        if ch is None or cid in self._recent or cid in self._advised:
+            return
+        self._advised[cid] = None
+        if len(self._advised) > OPEN_CHUNKS:
+            self._advised.popitem(last=False)
+        try:
+            os.posix_fadvise(self._files.fd(ch), 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # (gone meanwhile: the reader fetches it again)
 
     def _reclaim(self, read_only: bool) -> mmap.mmap | None:
         """The buffer of the oldest kept download (`read_only`: only one that readers have

@@ -107,7 +107,6 @@ class ChunkRouter:
         self.stats = cache.stats
         self._remote_reads: OrderedDict[ChunkId, int] = OrderedDict()  # bytes via peers
         self._sources: dict[str, OwnerSource] = {}
-        self._warmed: OrderedDict[ChunkId, None] = OrderedDict()  # cached chunks advised
 
     # -- reading --------------------------------------------------------------------------
 
@@ -198,11 +197,7 @@ class ChunkRouter:
         local: list[int] = []
         for idx in range(first, min(first + count, last + 1)):
             if self.cache.busy(key, etag, idx):
-                if first <= idx < first + 2 and (key, etag, idx) not in self._warmed:
-                    self._warmed[(key, etag, idx)] = None  # cached: its pages, ahead
-                    if len(self._warmed) > REMOTE_READS_KEPT:
-                        self._warmed.popitem(last=False)
-                    self.cache.warm_pages(key, etag, idx)
+                self.cache.advise(key, etag, idx)  # cached: its pages come ahead
                 continue
             owner = self.placement.owner(key, etag, idx)
             if owner is None:
@@ -217,7 +212,7 @@ class ChunkRouter:
             src = self._from(owner)
             started = 0
             for idx in idxs:
-                if not self.cache.start(key, etag, obj_size, idx, src, keep=False):
+                if not self.cache.start(key, etag, obj_size, idx, source=src, keep=False):
                     break
                 started += 1
             if idxs[started:]:
@@ -227,8 +222,10 @@ class ChunkRouter:
         """Start background downloads of these chunks into this node's cache, as far as
         download buffers are free now (readahead never queues behind readers)."""
         for idx in idxs:
-            if not self.cache.busy(key, etag, idx) and not self.cache.start(
-                    key, etag, obj_size, idx, self.placement):
+            if self.cache.cached(key, etag, idx) is not None:
+                self.cache.advise(key, etag, idx)
+            elif not self.cache.busy(key, etag, idx) and not self.cache.start(
+                    key, etag, obj_size, idx, previous=self.placement):
                 return
 
     # -- small objects --------------------------------------------------------------------

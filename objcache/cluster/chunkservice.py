@@ -1,15 +1,18 @@
 """Serving chunks to peers: the requests a member answers as the owner of chunks.
 
 `read` (a range of a chunk the caller says we own), `chunk` (a whole chunk; `cached_only`
-never fetches), `warm` (readahead), `prefetch` (fetch and maybe pin many), `unpin` and
-`evict` (by path). Every field is type- and range-checked; a request that does not parse
-is a protocol error and drops the connection.
+never fetches): both send the xxh3 sums of the bytes' 256 KiB blocks, which the receiver
+checks (objcache.cluster.placement), so bytes damaged on the way or by a faulty peer are
+fetched from S3 instead, never served; `warm` (readahead), `prefetch` (fetch and maybe
+pin many), `unpin` and `evict` (by path). Every field is type- and range-checked; a
+request that does not parse is a protocol error and drops the connection.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from objcache.cache.chunks import block_sums
 from objcache.cluster.peers import field_int, field_str
 from objcache.errors import ProtocolError
 
@@ -44,7 +47,7 @@ class ChunkService:
         start = field_int(msg, "start", 0, self.chunk_size)
         length = field_int(msg, "len", 0, self.chunk_size)
         data = await self.router.serve(key, etag, size, idx, start, length)
-        return {"data": len(data)}, data
+        return {"data": len(data), "sums": self._sums(key, etag, idx, start, data)}, data
 
     async def _chunk(self, peer: str, msg: dict[str, Any]) -> Reply:
         key, etag, size, idx = self._chunk_args(msg)
@@ -54,7 +57,15 @@ class ChunkService:
                 return {"cached": False}, None
         else:
             data = await self.router.serve(key, etag, size, idx, 0, self.chunk_size)
-        return {"data": len(data)}, data
+        return {"data": len(data), "sums": self._sums(key, etag, idx, 0, data)}, data
+
+    def _sums(self, key: str, etag: str, idx: int, start: int, data: bytes | memoryview
+              ) -> bytes:
+        """The block sums of bytes we send: those of the cache file when we have the chunk
+        (computed when it was downloaded, so bytes that went wrong here since do not
+        pass), else of the bytes themselves (a download in flight)."""
+        sums = self.router.cache.block_sums_of(key, etag, idx, start, len(data))
+        return sums if sums is not None else block_sums(data)
 
     async def _warm(self, peer: str, msg: dict[str, Any]) -> Reply:
         key, etag, size, _ = self._chunk_args(msg)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -19,7 +18,7 @@ from objcache.errors import PeerError
 
 if TYPE_CHECKING:
     from objcache.cluster.membership import Membership
-    from objcache.cluster.peers import PeerPool
+    from objcache.cluster.peers import PeerPool, Progress
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +48,7 @@ class PeerClient:
         self.node_id = membership.me.id
 
     async def call(self, node: str, msg: dict[str, Any], max_data: int, timeout: float,
-                   into: memoryview | None = None,
-                   progress: Callable[[int], None] | None = None
+                   into: memoryview | None = None, progress: Progress | None = None
                    ) -> tuple[dict[str, Any], bytearray | memoryview | None] | None:
         """A request to a member; None (and the member routed around) if it cannot answer.
         An error the member answered with is raised when it is about the request, and

@@ -46,6 +46,8 @@ MAX_IDLE_PER_PEER = 16
 
 # A request handler gets (peer node id, message) and returns (reply, optional data).
 Reply = tuple[dict[str, Any], bytes | None]
+# Given a reply's header, the callback told how many of its data bytes have arrived.
+Progress = Callable[[dict[str, Any]], Callable[[int], None]]
 Handler = Callable[[str, dict[str, Any]], Awaitable[Reply]]
 
 
@@ -184,11 +186,13 @@ class PeerPool:
 
     async def request(self, addr: str, msg: dict[str, Any], *, timeout: float,
                       max_data: int = 0, into: memoryview | None = None,
-                      progress: Callable[[int], None] | None = None
+                      progress: Progress | None = None
                       ) -> tuple[dict[str, Any], bytearray | memoryview | None]:
         """Send one request and return (reply, data). Data lands in `into` when given
-        (exactly that many bytes are then expected). Raises PeerError (AuthError,
-        ProtocolError) when the peer cannot answer, and the reply's error when it failed."""
+        (exactly that many bytes are then expected); `progress(reply)` gives the callback
+        told how many have arrived (it may raise a ProtocolError to refuse them). Raises
+        PeerError (AuthError, ProtocolError) when the peer cannot answer, and the reply's
+        error when it failed."""
         self.requests += 1
         t0 = time.perf_counter()
         try:
@@ -197,7 +201,7 @@ class PeerPool:
             PEER_SECONDS.labels(str(msg.get("op"))).observe(time.perf_counter() - t0)
 
     async def _request(self, addr: str, msg: dict[str, Any], timeout: float, max_data: int,
-                       into: memoryview | None, progress: Callable[[int], None] | None
+                       into: memoryview | None, progress: Progress | None
                        ) -> tuple[dict[str, Any], bytearray | memoryview | None]:
         for attempt in range(2):
             idle = self._idle.get(addr)
@@ -214,7 +218,8 @@ class PeerPool:
                                 or (into is not None and size != len(into))):
                             raise ProtocolError(f"peer {addr} offered {size!r} data bytes "
                                                 f"(limit {limit})")
-                        data = await conn.fs.recv_data(size, into, progress)
+                        data = await conn.fs.recv_data(
+                            size, into, None if progress is None else progress(reply))
             except trio.TooSlowError:
                 await _close(conn.fs)
                 self.failures += 1

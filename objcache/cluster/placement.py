@@ -11,11 +11,14 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
+import xxhash
 
+from objcache.cache.chunks import VERIFY_BLOCK
 from objcache.cluster.ring import chunk_point
+from objcache.errors import BadChecksum
 
 if TYPE_CHECKING:
     from objcache.cluster.client import PeerClient
@@ -27,6 +30,37 @@ MAX_PREFETCH_ITEMS = 4096
 PREFETCH_TIMEOUT = 3600.0  # an owner fetching thousands of chunks; cancelled if it dies
 WARM_AGAIN = 10.0  # seconds before the same chunk is worth warming at its owner again
 WARMED_KEPT = 4096
+
+
+class _Verifier:
+    """Checks a peer's chunk bytes against the block sums it sent, as they arrive, and
+    passes on how many are in and verified."""
+
+    __slots__ = ("peer", "sums", "view", "progress", "checked")
+
+    def __init__(self, peer: str, sums: object, view: memoryview,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.peer = peer
+        nblocks = -(-len(view) // VERIFY_BLOCK)
+        if not isinstance(sums, bytes) or len(sums) != 8 * nblocks:
+            raise BadChecksum(f"peer {peer} sent chunk bytes without their block sums")
+        self.sums = sums
+        self.view = view
+        self.progress = progress
+        self.checked = 0  # bytes verified
+
+    def arrived(self, n: int) -> None:
+        end = n if n == len(self.view) else n // VERIFY_BLOCK * VERIFY_BLOCK
+        while self.checked < end:
+            b = self.checked // VERIFY_BLOCK
+            stop = min(self.checked + VERIFY_BLOCK, len(self.view))
+            if xxhash.xxh3_64_digest(self.view[self.checked:stop]) != \
+                    self.sums[b * 8:b * 8 + 8]:
+                raise BadChecksum(f"peer {self.peer} sent chunk bytes that fail their "
+                                  f"checksums (block {b})")
+            self.checked = stop
+        if self.progress is not None and end:
+            self.progress(end)
 
 
 class ChunkPlacement:
@@ -58,11 +92,18 @@ class ChunkPlacement:
     async def read_into(self, owner: str, key: str, etag: str, obj_size: int, idx: int,
                         start: int, view: memoryview, progress: Callable[[int], None]
                         ) -> bool:
+        """Bytes of a chunk from its owner into `view`; readers are told of them block by
+        block, each once it matches the sum the owner sent (a mismatch drops the
+        connection and fails the read: the caller reads S3)."""
+
+        def verifying(reply: dict[str, Any]) -> Callable[[int], None]:
+            return _Verifier(owner, reply.get("sums"), view, progress).arrived
+
         got = await self.client.call(owner, {"op": "read", "key": key, "etag": etag,
                                              "size": obj_size, "idx": idx, "start": start,
                                              "len": len(view)},
                                      max_data=len(view), timeout=self.request_timeout,
-                                     into=view, progress=progress)
+                                     into=view, progress=verifying)
         return got is not None and got[1] is not None
 
     async def from_previous(self, key: str, etag: str, obj_size: int, idx: int
@@ -74,8 +115,14 @@ class ChunkPlacement:
                                          max_data=self.chunk_size,
                                          timeout=self.request_timeout)
             if got is not None and got[1] is not None:
+                data = got[1]
+                try:
+                    _Verifier(m.id, got[0].get("sums"), memoryview(data)).arrived(len(data))
+                except BadChecksum as e:
+                    log.warning("%s", e)
+                    continue
                 log.debug("chunk %d of %r came from previous owner %s", idx, key, m.id)
-                return bytes(got[1])
+                return bytes(data)
         return None
 
     def readahead(self, owner: str, key: str, etag: str, obj_size: int, idxs: list[int]

@@ -16,6 +16,8 @@ from objcache.cache.localfiles import LocalFiles
 from objcache.cache.pins import Pins
 from objcache.cache.router import ChunkRouter
 from objcache.cache.statedb import StateDB
+from objcache.core.handles import ObjectSource
+from objcache.entries import ObjectRef
 from objcache.errors import NoSpace
 from tests.helpers.memstore import MemoryStore
 
@@ -81,6 +83,24 @@ async def test_a_reader_is_answered_before_its_chunk_is_complete(tmp_path):  # t
         with trio.fail_after(5):
             while chunks.cache.cached("k", etag, 0) is None:
                 await trio.sleep(0.01)
+
+
+async def test_a_sequential_reader_has_the_readahead_window_in_flight(tmp_path):  # type: ignore
+    """The first read of a sequential reader starts the next chunks in the background:
+    they arrive in the cache without anyone reading them."""
+    store = MemoryStore()
+    data = os.urandom(4 * CS)
+    etag = store.put("k", data)
+    store.delay = 0.05
+    async with running(tmp_path, store) as (_, chunks, _):
+        src = ObjectSource(chunks, ObjectRef("k", etag, len(data)), readahead_chunks=3)
+        assert bytes(await src.read(0, 4096)) == data[:4096]
+        with trio.fail_after(5):
+            while any(chunks.cache.cached("k", etag, i) is None for i in range(4)):
+                await trio.sleep(0.01)
+        assert store.calls["get"] == 4 * PIECES
+        assert bytes(await src.read(3 * CS, CS)) == data[3 * CS:]
+        assert store.calls["get"] == 4 * PIECES
 
 
 async def test_a_corrupt_cache_file_is_fetched_again(tmp_path):  # type: ignore
