@@ -216,7 +216,7 @@ def build(cfg: MountConfig, store: ObjectStore, path: Path, mountpoint: str,
     else:
         pins = Pins(cache)
         router = ChunkRouter(cache, pins)
-    local = LocalFiles(db, path, cache, router)
+    local = LocalFiles(db, path, cache, router, wait_budget=cfg.s3_retry_seconds)
     backend: Backend
     if node is not None:
         _discard_unclosed(local)

@@ -64,6 +64,8 @@ class Snapshot:
     cache_misses: int
     cache_evictions: int
     cache_uncached_reads: int
+    write_waits: int  # writes that waited for write-back to free room
+    write_wait_seconds: float
     s3_requests: dict[str, int]
     s3_errors: dict[str, int]
     s3_retries: dict[str, int]
@@ -124,6 +126,10 @@ class SnapshotCollector:
                        s.cache_evictions)
         yield _counter("objcache_cache_uncached_reads", "Reads served from S3 without caching "
                        "(cache full of pinned or dirty data)", s.cache_uncached_reads)
+        yield _counter("objcache_write_waits", "Writes that waited for write-back to free "
+                       "cache space (backpressure)", s.write_waits)
+        yield _counter("objcache_write_wait_seconds", "Time writers spent waiting for "
+                       "write-back to free cache space", s.write_wait_seconds)
         # errors and retries get a zero for every op seen, so rate() works from the first
         # failure on
         errors = dict.fromkeys(s.s3_requests, 0) | s.s3_errors

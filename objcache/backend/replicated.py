@@ -63,7 +63,8 @@ class ReplicatedBackend:
         self.txn = txn
         self.dirty = dirty
         self.local = local
-        self.flusher = ClusterFlusher(s3, txn, dirty, cfg.chunk_size, cfg.writeback_delay)
+        self.flusher = ClusterFlusher(s3, txn, dirty, cfg.chunk_size, cfg.writeback_delay,
+                                      local.space)
         self._applied = applied
         self._waiting: list[Applied] = []
         self.uid, self.gid = os.getuid(), os.getgid()  # owner of objects without metadata
@@ -230,6 +231,9 @@ class ReplicatedBackend:
             version = lf.version
             await self.local.materialize_all(lf)
             cid = self.txn.new_cid()
+            # The blob is a hard link to the working copy: it takes over the bytes' charge
+            # (a write after this copies the file, and charges the copy).
+            self.local.hand_over_charge(lf)
             self.dirty.seal(cid, lf.path, lf.size)
             lf.shared = True
             holders = await self.txn.replicate(lf.key, cid, lf.size)

@@ -2,7 +2,8 @@
 
 A file is due when nobody has it open for writing and it has not changed for
 `writeback_delay` seconds, or at once when fsync/flush/umount asks, or when dirty data
-crowds the cache. Large files go up as parallel multipart uploads (one part per chunk).
+crowds the cache (ChunkCache.crowded: above 80%, or a writer waits for room). Large
+files go up as parallel multipart uploads (one part per chunk).
 The dirty mark is cleared only if the file did not change while it was uploading, so a
 write racing an upload is never lost.
 """
@@ -25,7 +26,6 @@ from objcache.store.meta import make_meta
 log = logging.getLogger(__name__)
 
 _RETRY_AFTER_FAILURE = 10.0
-_PRESSURE = 0.8  # fraction of the cache above which closed dirty files upload at once
 
 
 class Writeback:
@@ -57,8 +57,7 @@ class Writeback:
             while True:
                 self.local.changed = trio.Event()
                 now = time.monotonic()
-                space = self.local.space
-                pressure = space.used > _PRESSURE * space.capacity
+                pressure = self.local.space.crowded
                 for lf in list(self.local.dirty_files()):
                     if self._due(lf, now, pressure):
                         self._running.add(lf.fid)

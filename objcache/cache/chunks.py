@@ -52,6 +52,7 @@ PIECE = 4 << 20
 VERIFY_BLOCK = 256 << 10  # checksummed unit of a cached chunk
 OPEN_CHUNKS = 16  # cached chunk files kept open for reading
 IDLE_BUFFER = 5.0  # seconds a completed download's buffer is kept when nobody reads it
+CROWDED = 0.8  # fraction of the cache above which write-back uploads closed files at once
 PAGE = mmap.PAGESIZE
 
 
@@ -291,6 +292,8 @@ class CacheStats:
         self.peer_fallbacks = 0  # peer reads that failed and went to S3 instead
         self.bytes_served_to_peers = 0
         self.corrupt = 0  # cached chunks that failed their checksums (fetched again)
+        self.write_waits = 0  # writes that waited for write-back to free cache space
+        self.write_wait_seconds = 0.0  # ... and how long, in total
 
 
 def _write_chunk(path: str, data: memoryview, size: int) -> None:
@@ -358,6 +361,8 @@ class ChunkCache:
         # the buffer is needed for another download.
         self._recent: OrderedDict[ChunkId, _Fetch] = OrderedDict()
         self._touched: set[int] = set()
+        self._room = trio.Event()  # set (and replaced) whenever space may have been freed
+        self.waiting_for_room = 0  # writers waiting for write-back to free space
         self._advised: OrderedDict[ChunkId, None] = OrderedDict()
         self._nursery: trio.Nursery | None = None
         (root / "chunks").mkdir(parents=True, exist_ok=True)
@@ -411,6 +416,7 @@ class ChunkCache:
         self.chunk_bytes += ch.size
 
     def remove(self, ch: Chunk) -> None:
+        self._room_freed()
         self._remove_index_only(ch)
         self._files.drop(ch)
         self.db.execute("DELETE FROM chunks WHERE id=?", (ch.id,))
@@ -486,6 +492,21 @@ class ChunkCache:
         unpinned chunk: `free()` drops it if it still can and returns the bytes freed."""
         self._offered[token] = free
         self._offered.move_to_end(token)
+        self._room_freed()
+
+    def _room_freed(self) -> None:
+        self._room.set()
+        self._room = trio.Event()
+
+    async def room_freed(self) -> None:
+        """Until some space is freed or becomes evictable."""
+        await self._room.wait()
+
+    @property
+    def crowded(self) -> bool:
+        """Whether write-back should upload closed files now rather than after its delay:
+        a writer waits for room, or dirty and pinned data fill most of the cache."""
+        return self.waiting_for_room > 0 or self.used > CROWDED * self.capacity
 
     def make_room(self, nbytes: int) -> bool:
         """Evict clean data (LRU first) until `nbytes` more fit. False if they cannot."""
@@ -512,6 +533,7 @@ class ChunkCache:
 
     def release(self, nbytes: int) -> None:
         self.local_bytes -= nbytes
+        self._room_freed()
 
     # -- lookups --------------------------------------------------------------------------
 

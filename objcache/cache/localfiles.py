@@ -45,6 +45,14 @@ def _unpack(blob: bytes) -> set[int]:
     return {i * 8 + b for i, byte in enumerate(blob) for b in range(8) if byte >> b & 1}
 
 
+def _copy_file(src_path: str, dst_path: str) -> None:
+    with open(src_path, "rb") as src, open(dst_path, "wb") as dst:
+        n = os.fstat(src.fileno()).st_size
+        off = 0
+        while off < n:
+            off += os.copy_file_range(src.fileno(), dst.fileno(), n - off)
+
+
 class LocalFile:
     """Attributes:
     version: bumped by every change; an upload clears `dirty` only if it is unchanged.
@@ -55,7 +63,7 @@ class LocalFile:
     __slots__ = ("fid", "key", "path", "base_key", "base_etag", "base_size", "base_limit",
                  "materialized", "size", "mode", "uid", "gid", "mtime_ns", "dirty",
                  "dirty_since", "etag", "version", "writers", "opens", "lock", "fd",
-                 "last_change", "removed", "charged", "urgent", "shared")
+                 "last_change", "removed", "charged", "urgent", "shared", "unsharing")
 
     def __init__(self, fid: int, key: str, path: str) -> None:
         self.fid = fid
@@ -84,6 +92,7 @@ class LocalFile:
         self.charged = 0
         self.urgent = False
         self.shared = False  # its data file is also a sealed blob: copy before changing
+        self.unsharing: trio.Event | None = None  # set when a copy under way is done
 
 
 class LocalFiles:
@@ -91,10 +100,12 @@ class LocalFiles:
     space: the cache whose budget local files are charged to (and which may evict clean,
         closed ones for room).
     reader: reads base versions (through the cluster's owners when there is a cluster).
+    wait_budget: how long a write that needs room waits while write-back frees none
+        (then ENOSPC); a write that can never fit gets ENOSPC at once.
     """
 
     def __init__(self, db: StateDB, root: Path, space: ChunkCache,
-                 reader: ChunkRouter) -> None:
+                 reader: ChunkRouter, wait_budget: float = 60.0) -> None:
         self.db = db
         self.root = root / "local"
         self.root.mkdir(parents=True, exist_ok=True)
@@ -103,7 +114,8 @@ class LocalFiles:
         self.cs = space.chunk_size
         self.by_key: dict[str, LocalFile] = {}
         self.changed = trio.Event()  # set when a file becomes dirty or closes (wakes flusher)
-        self._charging: LocalFile | None = None
+        self.wait_budget = wait_budget  # seconds a write waits without any room freed
+        self._charging: set[int] = set()  # files being made room for (never evicted)
         self._load()
 
     # -- journal --------------------------------------------------------------------------
@@ -173,7 +185,7 @@ class LocalFiles:
                 os.close(fd)
                 os.unlink(lf.path)
                 self.db.execute("DELETE FROM files WHERE fid=?", (fid,))
-                raise NoSpace(key)
+                raise NoSpace(f"{key}: no room in the cache for a working copy")
             lf.charged = lf.size
         lf.fd = fd
         self._save(lf)
@@ -193,16 +205,60 @@ class LocalFiles:
             lf.dirty_since = time.time()
             self._save(lf)
 
-    def _charge(self, lf: LocalFile, new_size: int) -> None:
+    async def _charge(self, lf: LocalFile, new_size: int) -> None:
+        """Account the file's growth to `new_size` in the cache's budget: evicting clean
+        data, else waiting for write-back to make dirty data clean (backpressure)."""
         grow = new_size - lf.charged
-        if grow > 0:
-            self._charging = lf  # never evict the file we are making room for
-            try:
-                if not self.space.charge(grow):
-                    raise NoSpace(lf.key)
-            finally:
-                self._charging = None
-            lf.charged += grow
+        if grow <= 0:
+            return
+        self._charging.add(lf.fid)
+        try:
+            if not self.space.charge(grow):
+                await self._wait_for_room(lf, grow)
+        finally:
+            self._charging.discard(lf.fid)
+        lf.charged += grow
+
+    async def _wait_for_room(self, lf: LocalFile, grow: int) -> None:
+        space = self.space
+        start = last_freed = time.monotonic()
+        space.waiting_for_room += 1
+        self.changed.set()  # the write-back loop looks again: the cache is crowded now
+        log.info("a write to %r waits for write-back to free %d bytes of cache", lf.key,
+                 grow)
+        try:
+            while not space.charge(grow):
+                stuck = space.pinned_bytes + sum(
+                    f.charged for f in self.by_key.values()
+                    if f.writers or f.fid in self._charging)
+                if grow + stuck > space.capacity:
+                    raise NoSpace(f"{lf.key}: {grow} more bytes can never fit in the "
+                                  f"{space.capacity}-byte cache: {stuck} bytes are pinned or "
+                                  "in files open for writing")
+                left = last_freed + self.wait_budget - time.monotonic()
+                if left <= 0:
+                    log.error("a write to %r gives up (ENOSPC): write-back freed no cache "
+                              "space for %.0fs (S3 refusing uploads?)", lf.key,
+                              self.wait_budget)
+                    raise NoSpace(f"{lf.key}: write-back freed no cache space for "
+                                  f"{self.wait_budget:.0f}s")
+                with trio.move_on_after(left):
+                    await space.room_freed()
+                    last_freed = time.monotonic()
+        finally:
+            space.waiting_for_room -= 1
+            waited = time.monotonic() - start
+            space.stats.write_waits += 1
+            space.stats.write_wait_seconds += waited
+            if waited > 1.0:
+                log.info("a write to %r waited %.1fs for write-back", lf.key, waited)
+
+    def hand_over_charge(self, lf: LocalFile) -> int:
+        """The file's bytes are now accounted elsewhere (its data file became a sealed
+        blob, which charges them): stop charging them here; the bytes released."""
+        n, lf.charged = lf.charged, 0
+        self.space.release(n)
+        return n
 
     # -- data -----------------------------------------------------------------------------
 
@@ -224,29 +280,36 @@ class LocalFiles:
         for idx in range((lf.base_limit + self.cs - 1) // self.cs):
             await self._materialize(lf, idx)
 
-    def unshare(self, lf: LocalFile) -> None:
-        """Give the file its own data file again (the old one is a sealed blob now)."""
-        if not lf.shared:
-            return
-        tmp = lf.path + ".unshare"
-        with open(lf.path, "rb") as src, open(tmp, "wb") as dst:
-            n = os.fstat(src.fileno()).st_size
-            off = 0
-            while off < n:
-                off += os.copy_file_range(src.fileno(), dst.fileno(), n - off)
-        os.rename(tmp, lf.path)
-        if lf.fd >= 0:
-            os.close(lf.fd)
-            lf.fd = -1
-        lf.shared = False
+    async def unshare(self, lf: LocalFile) -> None:
+        """Give the file its own data file again (the old one is a sealed blob now).
+        Concurrent writers wait for one copy: none may write the blob meanwhile."""
+        while lf.shared:
+            if lf.unsharing is not None:
+                await lf.unsharing.wait()
+                continue
+            lf.unsharing = done = trio.Event()
+            try:
+                await self._charge(lf, lf.size)  # the copy's bytes (the blob has its own)
+                # copy_file_range (reflinked or in-kernel), in a thread: a checkpoint
+                # rewritten after close may be gigabytes.
+                await trio.to_thread.run_sync(_copy_file, lf.path, lf.path + ".unshare",
+                                              limiter=self.space.disk)
+                os.rename(lf.path + ".unshare", lf.path)
+                if lf.fd >= 0:
+                    os.close(lf.fd)
+                    lf.fd = -1
+                lf.shared = False
+            finally:
+                lf.unsharing = None
+                done.set()
 
     async def write(self, lf: LocalFile, offset: int, data: bytes) -> int:
-        self.unshare(lf)
+        await self.unshare(lf)
         end = offset + len(data)
         if lf.base_limit:
             for idx in range(offset // self.cs, (min(end, lf.base_limit) - 1) // self.cs + 1):
                 await self._materialize(lf, idx)
-        self._charge(lf, max(end, lf.size))
+        await self._charge(lf, max(end, lf.size))
         n = os.pwrite(self._fd(lf), data, offset)
         if end > lf.size:
             lf.size = end
@@ -255,12 +318,12 @@ class LocalFiles:
         return n
 
     async def truncate(self, lf: LocalFile, size: int) -> None:
-        self.unshare(lf)
+        await self.unshare(lf)
         if size < lf.base_limit:
             if size % self.cs:
                 await self._materialize(lf, size // self.cs)
             lf.base_limit = size
-        self._charge(lf, size)
+        await self._charge(lf, size)
         os.ftruncate(self._fd(lf), size)
         lf.size = size
         lf.mtime_ns = time.time_ns()
@@ -270,7 +333,7 @@ class LocalFiles:
     async def fill(self, lf: LocalFile, size: int,
                    piece: Callable[[int, int], Awaitable[bytes]]) -> None:
         """Give an empty local file `size` bytes of content, read piece by piece."""
-        self._charge(lf, size)
+        await self._charge(lf, size)
         fd = self._fd(lf)
         for off in range(0, size, FILL_PIECE):
             os.pwrite(fd, await piece(off, min(FILL_PIECE, size - off)), off)
@@ -377,7 +440,7 @@ class LocalFiles:
 
         def free() -> int:
             if (lf.removed or lf.dirty or lf.opens or lf.lock.locked()
-                    or lf is self._charging or self.by_key.get(lf.key) is not lf):
+                    or lf.fid in self._charging or self.by_key.get(lf.key) is not lf):
                 return 0  # in use again: offered anew when it is clean and closed
             freed = lf.charged
             self.remove(lf)

@@ -2,6 +2,7 @@
 
 The owner of a key (consistent hashing over the live members) brings S3 in line with its
 entry once the write-back delay has passed, or at once when asked (flush, drain):
+(Or at once when the cache is crowded: writers waiting for room wait for these uploads.)
 - a file with a blob: multipart upload (one part per chunk) from our copy of the blob,
   pulled first from a holder if we have none (which also adds a replica);
 - a renamed or re-attributed clean file: a server-side copy from its old object, on the
@@ -27,6 +28,7 @@ from objcache.errors import ObjcacheError, StaleObject, StoreError
 from objcache.store.meta import make_meta
 
 if TYPE_CHECKING:
+    from objcache.cache.chunks import ChunkCache
     from objcache.store import ObjectStore
     from objcache.txn.coordinator import TxnClient
     from objcache.txn.dirtystore import DirtyStore
@@ -39,12 +41,13 @@ GC_EVERY = 2.0
 
 class ClusterFlusher:
     def __init__(self, store: ObjectStore, txn: TxnClient, dirty: DirtyStore,
-                 chunk_size: int, delay: float) -> None:
+                 chunk_size: int, delay: float, space: ChunkCache) -> None:
         self.store = store
         self.txn = txn
         self.dirty = dirty
         self.chunk_size = chunk_size
         self.delay = delay
+        self.space = space  # crowded: closed files we own go up now, not after the delay
         self.uploads = trio.CapacityLimiter(16)
         self.wake = trio.Event()
         self._running: set[str] = set()
@@ -67,6 +70,12 @@ class ClusterFlusher:
         if key in self._running or now - self._failed.get(key, -1e9) < RETRY_AFTER_FAILURE:
             return False
         urgent = self._urgent is None or key in self._urgent
+        if (self.space.crowded and isinstance(e, FileEntry) and e.cid is not None
+                and self.dirty.has(e.cid)):
+            # Writers here wait for room, which only uploads free: a blob we hold goes up
+            # now even if another node owns its key (both uploading is harmless: the
+            # content is the same, and one clean wins).
+            return True
         if not mine and not urgent:
             return False
         return urgent or isinstance(e, Tombstone) or time.time() - e.at >= self.delay
@@ -83,7 +92,8 @@ class ClusterFlusher:
                         if self._due(key, e, now, mine):
                             self._running.add(key)
                             nursery.start_soon(self._one, key, e)
-                    if now - last_gc > GC_EVERY:
+                    # Crowded: what uploads free is dropped at once (writers wait on it).
+                    if now - last_gc > GC_EVERY or self.space.crowded:
                         last_gc = now
                         st = self.txn.state
                         with st.lock:

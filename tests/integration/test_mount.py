@@ -96,15 +96,34 @@ def test_cache_size_is_respected(s3, bucket, mount):  # type: ignore
     assert m.status()["cache"]["evictions"] >= 2
 
 
-def test_full_cache_gives_enospc_and_loses_nothing(s3, bucket, mount):  # type: ignore
+def test_checkpoints_bigger_than_the_cache_wait_for_write_back(s3, bucket, mount):  # type: ignore
+    # Three 6 MiB checkpoints into a 10 MiB cache with a write-back delay of an hour: the
+    # writes wait for uploads (the cache is crowded, so write-back starts at once), never ENOSPC.
+    m = mount(*SMALL_CHUNKS, "--cache-size", "10M", "--writeback-delay", "3600")
+    files = {f"ckpt{i}.pt": os.urandom(6 * MiB) for i in range(3)}
+    for name, data in files.items():
+        with open(m.mnt / name, "wb") as f:
+            for off in range(0, len(data), MiB):
+                f.write(data[off:off + MiB])
+    cache = m.status()["cache"]
+    assert cache["write_waits"] >= 1 and cache["used_bytes"] <= 10 * MiB
+    objcache("flush", str(m.mnt))
+    for name, data in files.items():
+        assert s3_body(s3, bucket, name) == data
+        assert (m.mnt / name).read_bytes() == data
+
+
+def test_a_file_that_can_never_fit_gives_enospc_at_once_and_loses_nothing(s3, bucket, mount):  # type: ignore
     m = mount(*SMALL_CHUNKS, "--cache-size", "10M", "--writeback-delay", "3600")
     a = os.urandom(6 * MiB)
     (m.mnt / "a.bin").write_bytes(a)
+    t0 = time.monotonic()
     with pytest.raises(OSError) as e, open(m.mnt / "b.bin", "wb") as f:
-        for _ in range(10):
+        for _ in range(12):
             f.write(os.urandom(MiB))
             f.flush()
     assert e.value.errno == errno.ENOSPC
+    assert time.monotonic() - t0 < 20
     assert (m.mnt / "a.bin").read_bytes() == a
     objcache("flush", str(m.mnt))
     assert s3_body(s3, bucket, "a.bin") == a
