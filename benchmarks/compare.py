@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks import reads
+from benchmarks import reads, writes
 from benchmarks.single_node import (
     boto3_download,
     drop_page_cache,
@@ -162,6 +162,9 @@ def main() -> None:
     ap.add_argument("--big-size", default="1G")
     ap.add_argument("--read-profiles", default="loopback,wan",
                     help="S3 profiles of the model-loading benchmark (benchmarks.reads); "
+                         "empty: skip it")
+    ap.add_argument("--write-profiles", default="loopback,wan",
+                    help="S3 profiles of the checkpoint benchmark (benchmarks.writes); "
                          "empty: skip it")
     args = ap.parse_args()
     big_size = parse_size(args.big_size)
@@ -303,6 +306,10 @@ def main() -> None:
             (work / "reads").mkdir()
             results["reads"] = reads.run(big_size, args.read_profiles.split(","),
                                          work / "reads", weed)
+        if args.write_profiles:
+            (work / "writes").mkdir()
+            results["writes"] = writes.run(big_size, args.write_profiles.split(","),
+                                           work / "writes", weed)
     finally:
         for m in mounts:
             m.stop()
@@ -394,6 +401,13 @@ def write_report(res: dict[str, Any], big_size: int, n_small: int) -> None:
                   "reached memory, against downloading it with 8 x 8 MiB ranged GETs and "
                   "loading the local copy.", ""]
         lines += reads.report(res["reads"])
+    if res.get("writes"):
+        lines += ["## Checkpoints (`benchmarks.writes`)", "",
+                  "`torch.save` of a state dict of the big size (16 tensors) in a fresh "
+                  "process, against saving it to a local file on the cache disk and "
+                  "uploading that with a boto3 multipart upload (8 threads, 16 MiB parts).",
+                  ""]
+        lines += writes.report(res["writes"])
     table = lines[:]
     lines += ["", "Raw figures:", "", "```", json.dumps(res, indent=1, default=str), "```", ""]
     (DOCS / "benchmarks-compare.md").write_text("\n".join(lines))
@@ -404,7 +418,8 @@ def write_report(res: dict[str, Any], big_size: int, n_small: int) -> None:
     text = log_md.read_text()
     marker = "\n## Transactions"
     cut = text.index(marker) if marker in text else len(text)
-    body = [ln.replace("## Model loading", "#### Model loading") for ln in table[2:]]
+    body = [ln.replace("## Model loading", "#### Model loading")
+            .replace("## Checkpoints", "#### Checkpoints") for ln in table[2:]]
     log_md.write_text(text[:cut].rstrip("\n") + "\n\n" + "\n".join(head + body).rstrip()
                       + "\n" + text[cut:])
     try:

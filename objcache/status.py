@@ -165,7 +165,9 @@ class NodeStatus:
                       "hit_ratio": _hit_ratio(c)},
             "dirty": {"files": wb.dirty_files, "bytes": wb.dirty_bytes,
                       "oldest_age_seconds": wb.oldest_dirty_seconds},
-            "writeback": {"uploaded_files": wb.uploaded, "failed_uploads": wb.failed},
+            "writeback": {"uploaded_files": wb.uploaded, "failed_uploads": wb.failed,
+                          "streamed_files": wb.streamed,
+                          "stream_fallbacks": wb.stream_fallbacks},
             "s3": self.store.stats.as_dict(),
             "cluster": await self.cluster.status(self.rows.row()),
         }

@@ -64,6 +64,8 @@ class Stats:
     oldest_dirty_seconds: float | None
     uploaded: int
     failed: int
+    streamed: int = 0  # files whose upload ran while they were written
+    stream_fallbacks: int = 0  # streams given up (a write behind the seal): sent whole
 
 
 # The attributes the core knows for a key (from a HEAD), if any.

@@ -223,5 +223,6 @@ class LocalBackend:
 
     def stats(self) -> Stats:
         files, nbytes, oldest = self.local.dirty_summary()
+        streams = self.writeback.streams
         return Stats(files, nbytes, oldest, self.writeback.uploaded_files,
-                     self.writeback.failed_uploads)
+                     self.writeback.failed_uploads, streams.streamed_files, streams.fallbacks)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from objcache.backend.base import AttrsOf, Change, Moved, Stats
+from objcache.backend.staging import Stager
 from objcache.entries import (
     Attrs,
     DirEntry,
@@ -65,6 +66,7 @@ class ReplicatedBackend:
         self.local = local
         self.flusher = ClusterFlusher(s3, txn, dirty, cfg.chunk_size, cfg.writeback_delay,
                                       local.space)
+        self.stager = Stager(txn, dirty, cfg.chunk_size)
         self._applied = applied
         self._waiting: list[Applied] = []
         self.uid, self.gid = os.getuid(), os.getgid()  # owner of objects without metadata
@@ -72,7 +74,21 @@ class ReplicatedBackend:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         task_status.started()
-        await self.flusher.run()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.flusher.run)
+            await self._stage_while_writing(nursery)
+
+    async def _stage_while_writing(self, nursery: trio.Nursery) -> None:
+        """Wakes when a working copy completes a chunk (LocalFiles.changed): the likely
+        replicas of files being written pull the new bytes (objcache.backend.staging)."""
+        while True:
+            self.local.changed = trio.Event()
+            self.stager.sweep()
+            for lf in list(self.local.dirty_files()):
+                if lf.writers and not lf.removed:
+                    self.stager.poll(lf, nursery)
+            with trio.move_on_after(1.0):
+                await self.local.changed.wait()
 
     # -- what is known beyond S3 ------------------------------------------------------------
 
@@ -230,19 +246,31 @@ class ReplicatedBackend:
                 return None
             version = lf.version
             await self.local.materialize_all(lf)
+            staged = await self.stager.finish(lf)
             cid = self.txn.new_cid()
             # The blob is a hard link to the working copy: it takes over the bytes' charge
             # (a write after this copies the file, and charges the copy).
             self.local.hand_over_charge(lf)
             self.dirty.seal(cid, lf.path, lf.size)
             lf.shared = True
-            holders = await self.txn.replicate(lf.key, cid, lf.size)
+            try:
+                holders = await self.txn.replicate(lf.key, cid, lf.size, staged)
+            finally:
+                self.stager.done(staged)
             e = FileEntry(Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns), lf.size, cid,
                           tuple(holders), at=time.time())
+            cmd = {"op": "ns.commit", "key": lf.key, "e": to_wire(e),
+                   "must_exist": self.entry(lf.key) is not None}
             try:
-                ver = await self._submit({"op": "ns.commit", "key": lf.key,
-                                          "e": to_wire(e),
-                                          "must_exist": self.entry(lf.key) is not None})
+                try:
+                    ver = await self._submit(cmd)
+                except Gone:
+                    if not await self._written_back_meanwhile(lf.key):
+                        raise
+                    # Its owner wrote back an earlier version (the empty file of the
+                    # create) and forgot the entry: the file is still there, in S3. An
+                    # unlink since then leaves a tombstone, which still refuses this.
+                    ver = await self._submit(dict(cmd, must_exist=False))
             except Gone:
                 log.info("%r was removed by another node while open here", lf.key)
                 lf.dirty = False
@@ -253,6 +281,15 @@ class ReplicatedBackend:
                 lf.dirty_since = None
                 self.local.save(lf)
             return replace(e, ver=ver)
+
+    async def _written_back_meanwhile(self, key: str) -> bool:
+        """Whether `key` has no entry (not even a tombstone) because its owner uploaded it
+        and forgot the entry, rather than because it was unlinked."""
+        st = self.txn.state
+        with st.lock:
+            if st.ns.get(key) is not None:
+                return False  # a tombstone (unlinked), or something else now
+        return await self.store.head(key) is not None
 
     async def fsync(self, key: str, lf: LocalFile) -> FileEntry | ObjectRef | None:
         """In a cluster, durable = replicated and committed (upload is the owner's)."""

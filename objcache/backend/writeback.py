@@ -3,7 +3,9 @@
 A file is due when nobody has it open for writing and it has not changed for
 `writeback_delay` seconds, or at once when fsync/flush/umount asks, or when dirty data
 crowds the cache (ChunkCache.crowded: above 80%, or a writer waits for room). Large
-files go up as parallel multipart uploads (one part per chunk).
+files go up as parallel multipart uploads. A file written front to back from empty is
+streamed (objcache.backend.streaming): its complete parts go up while it is being written,
+and it is due as soon as it is closed.
 The dirty mark is cleared only if the file did not change while it was uploading, so a
 write racing an upload is never lost.
 """
@@ -16,6 +18,7 @@ from collections.abc import Callable
 
 import trio
 
+from objcache.backend.streaming import Streams
 from objcache.cache.localfiles import LocalFile, LocalFiles
 from objcache.config import MountConfig
 from objcache.entries import Attrs, FlushScope
@@ -36,6 +39,7 @@ class Writeback:
         self.local = local
         self.on_uploaded = on_uploaded
         self.uploads = trio.CapacityLimiter(4)  # files in flight (parts run in parallel)
+        self.streams = Streams(store, local.cs)
         self._failed_at: dict[int, float] = {}
         self._running: set[int] = set()
         self.uploaded_files = 0
@@ -48,6 +52,8 @@ class Writeback:
             return False
         if lf.urgent:
             return True
+        if self.streams.active(lf) and not lf.writers:
+            return True  # written front to back and closed: finish what is streaming
         if lf.writers:
             return False
         return pressure or now - lf.last_change >= self.cfg.writeback_delay
@@ -58,7 +64,10 @@ class Writeback:
                 self.local.changed = trio.Event()
                 now = time.monotonic()
                 pressure = self.local.space.crowded
+                self.streams.sweep()
                 for lf in list(self.local.dirty_files()):
+                    if lf.writers and not lf.removed:
+                        self.streams.poll(lf, nursery)
                     if self._due(lf, now, pressure):
                         self._running.add(lf.fid)
                         nursery.start_soon(self._background_upload, lf)
@@ -85,9 +94,11 @@ class Writeback:
             started = time.monotonic()
             try:
                 await self.local.materialize_all(lf)
-                meta = make_meta(Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns))
-                etag = await self.store.put_file(key, lf.path, lf.size, meta,
-                                                 self.local.cs)
+                etag = await self.streams.finish(lf)
+                if etag is None:
+                    meta = make_meta(Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns))
+                    etag = await self.store.put_file(key, lf.path, lf.size, meta,
+                                                     self.local.cs)
             except ObjcacheError as e:
                 self.failed_uploads += 1
                 self._failed_at[lf.fid] = time.monotonic()

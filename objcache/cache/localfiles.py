@@ -58,12 +58,16 @@ class LocalFile:
     version: bumped by every change; an upload clears `dirty` only if it is unchanged.
     writers: open handles that may write; the flusher waits until there are none.
     lock: held while uploading, renaming or removing, so these never interleave.
+    sealed: bytes below this offset were handed to a streaming upload and must not change;
+        a write or truncate below it (or a rename) sets `seal_broken`, and the upload falls
+        back to sending the whole file. 0 when nothing is sealed.
     """
 
     __slots__ = ("fid", "key", "path", "base_key", "base_etag", "base_size", "base_limit",
                  "materialized", "size", "mode", "uid", "gid", "mtime_ns", "dirty",
                  "dirty_since", "etag", "version", "writers", "opens", "lock", "fd",
-                 "last_change", "removed", "charged", "urgent", "shared", "unsharing")
+                 "last_change", "removed", "charged", "urgent", "shared", "unsharing",
+                 "sealed", "seal_broken")
 
     def __init__(self, fid: int, key: str, path: str) -> None:
         self.fid = fid
@@ -93,6 +97,8 @@ class LocalFile:
         self.urgent = False
         self.shared = False  # its data file is also a sealed blob: copy before changing
         self.unsharing: trio.Event | None = None  # set when a copy under way is done
+        self.sealed = 0
+        self.seal_broken = False
 
 
 class LocalFiles:
@@ -311,7 +317,11 @@ class LocalFiles:
                 await self._materialize(lf, idx)
         await self._charge(lf, max(end, lf.size))
         n = os.pwrite(self._fd(lf), data, offset)
+        if offset < lf.sealed:
+            lf.seal_broken = True
         if end > lf.size:
+            if end // self.cs != lf.size // self.cs:
+                self.changed.set()  # a chunk is complete: streaming write-back may send it
             lf.size = end
         lf.mtime_ns = time.time_ns()
         self.mark_dirty(lf)
@@ -325,6 +335,8 @@ class LocalFiles:
             lf.base_limit = size
         await self._charge(lf, size)
         os.ftruncate(self._fd(lf), size)
+        if size < lf.sealed:
+            lf.seal_broken = True
         lf.size = size
         lf.mtime_ns = time.time_ns()
         self.mark_dirty(lf)
@@ -390,6 +402,7 @@ class LocalFiles:
             self.remove(displaced)
         del self.by_key[lf.key]
         lf.key = new_key
+        lf.seal_broken = lf.seal_broken or lf.sealed > 0  # a multipart upload has one key
         self.by_key[new_key] = lf
         self._save(lf)
 

@@ -66,6 +66,23 @@ class ObjectStore(Protocol):
         """Upload a local file (multipart with `part_size` parts when larger); return ETag."""
         ...
 
+    async def start_upload(self, key: str, metadata: dict[str, str]) -> str:
+        """Begin a multipart upload of `key`; its upload id."""
+        ...
+
+    async def put_part(self, key: str, upload_id: str, number: int, path: str, start: int,
+                       length: int) -> str:
+        """Bytes [start, start+length) of the file at `path` as part `number`; its ETag."""
+        ...
+
+    async def finish_upload(self, key: str, upload_id: str, etags: dict[int, str]) -> str:
+        """Complete the upload from its parts (number -> ETag); the object's ETag."""
+        ...
+
+    async def abort_upload(self, key: str, upload_id: str) -> None:
+        """Drop an unfinished upload and its parts (best effort, never raises)."""
+        ...
+
     async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None,
                    src_etag: str | None = None) -> str:
         """Server-side copy; `metadata` replaces the metadata when given; with `src_etag`,

@@ -32,6 +32,7 @@ from objcache.errors import (
 )
 from objcache.metrics import S3_SECONDS
 from objcache.store import ListPage, ObjectInfo
+from objcache.store.parts import part_ranges
 from objcache.store.signed import SignedHttp
 
 log = logging.getLogger(__name__)
@@ -419,59 +420,73 @@ class S3Store:
 
     async def _multipart(self, key: str, path: str, size: int, metadata: dict[str, str],
                          part_size: int) -> str:
-        full = self._full(key)
-        r = await self._call("create_multipart", key, lambda: self.client.create_multipart_upload(
-            Bucket=self.bucket, Key=full, **_meta_args(metadata)), self.meta_limiter)
-        upload_id = r["UploadId"]
-        nparts = (size + part_size - 1) // part_size
-        etags: list[str | None] = [None] * nparts
-        fd = os.open(path, os.O_RDONLY)
+        upload_id = await self.start_upload(key, metadata)
         try:
-            async def part(i: int) -> None:
-                start = i * part_size
-                length = min(part_size, size - start)
+            etags: dict[int, str] = {}
 
-                def fn() -> str:
-                    body: Any
-                    if os.fstat(fd).st_size >= start + length:
-                        # streamed from the file: 8 parts of 16 MiB in flight would
-                        # otherwise be 128 MiB of daemon memory
-                        body = ReadFileChunk.from_filename(path, start, length,
-                                                           enable_callbacks=False)
-                    else:  # a sparse tail past EOF reads as zeros
-                        data = os.pread(fd, length, start)
-                        body = data + bytes(length - len(data))
-                    try:
-                        rr = self.client.upload_part(Bucket=self.bucket, Key=full,
-                                                     UploadId=upload_id, PartNumber=i + 1,
-                                                     Body=body, ContentLength=length)
-                    finally:
-                        if not isinstance(body, bytes):
-                            body.close()
-                    self.stats.bytes_out += length
-                    return str(rr["ETag"])
-                etags[i] = await self._call("upload_part", key, fn, self.put_limiter)
+            async def part(n: int, start: int, length: int) -> None:
+                etags[n] = await self.put_part(key, upload_id, n, path, start, length)
 
             with first_error():
                 async with trio.open_nursery() as nursery:
-                    for i in range(nparts):
-                        nursery.start_soon(part, i)
-            parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
-            r = await self._call("complete_multipart", key,
-                                 lambda: self.client.complete_multipart_upload(
-                                     Bucket=self.bucket, Key=full, UploadId=upload_id,
-                                     MultipartUpload={"Parts": parts}), self.meta_limiter)
-            return str(r["ETag"])
+                    for n, start, length in part_ranges(part_size, size):
+                        nursery.start_soon(part, n, start, length)
+            return await self.finish_upload(key, upload_id, etags)
         except BaseException:
             with trio.CancelScope(shield=True):
-                try:
-                    await trio.to_thread.run_sync(lambda: self.client.abort_multipart_upload(
-                        Bucket=self.bucket, Key=full, UploadId=upload_id))
-                except Exception as e:  # the upload is already failing; keep its error
-                    log.info("abort of multipart upload for %r failed: %s", key, e)
+                await self.abort_upload(key, upload_id)
             raise
-        finally:
-            os.close(fd)
+
+    # -- multipart uploads, part by part (streaming write-back drives these) ----------------
+
+    async def start_upload(self, key: str, metadata: dict[str, str]) -> str:
+        full = self._full(key)
+        r = await self._call("create_multipart", key, lambda: self.client.create_multipart_upload(
+            Bucket=self.bucket, Key=full, **_meta_args(metadata)), self.meta_limiter)
+        return str(r["UploadId"])
+
+    async def put_part(self, key: str, upload_id: str, number: int, path: str, start: int,
+                       length: int) -> str:
+        full = self._full(key)
+
+        def fn() -> str:
+            body: Any
+            if os.stat(path).st_size >= start + length:
+                # streamed from the file: 8 parts of 16 MiB in flight would otherwise be
+                # 128 MiB of daemon memory
+                body = ReadFileChunk.from_filename(path, start, length, enable_callbacks=False)
+            else:  # a sparse tail past EOF reads as zeros
+                with open(path, "rb") as f:
+                    data = os.pread(f.fileno(), length, start)
+                body = data + bytes(length - len(data))
+            try:
+                rr = self.client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id,
+                                             PartNumber=number, Body=body,
+                                             ContentLength=length)
+            finally:
+                if not isinstance(body, bytes):
+                    body.close()
+            self.stats.bytes_out += length
+            return str(rr["ETag"])
+        return await self._call("upload_part", key, fn, self.put_limiter)
+
+    async def finish_upload(self, key: str, upload_id: str, etags: dict[int, str]) -> str:
+        full = self._full(key)
+        parts = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
+        r = await self._call("complete_multipart", key,
+                             lambda: self.client.complete_multipart_upload(
+                                 Bucket=self.bucket, Key=full, UploadId=upload_id,
+                                 MultipartUpload={"Parts": parts}), self.meta_limiter)
+        return str(r["ETag"])
+
+    async def abort_upload(self, key: str, upload_id: str) -> None:
+        """Best effort, once: a failed abort leaves parts that a bucket lifecycle rule
+        (AbortIncompleteMultipartUpload) removes."""
+        try:
+            await trio.to_thread.run_sync(lambda: self.client.abort_multipart_upload(
+                Bucket=self.bucket, Key=self._full(key), UploadId=upload_id))
+        except Exception as e:
+            log.info("abort of multipart upload for %r failed: %s", key, e)
 
     async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None,
                    src_etag: str | None = None) -> str:

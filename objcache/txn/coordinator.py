@@ -65,7 +65,7 @@ class TxnClient:
 
     def routes(self) -> dict[str, Handler]:
         """The dirty-blob requests this node answers (replication and reads of blobs)."""
-        return {"dread": self._dread, "dpull": self._dpull}
+        return {"dread": self._dread, "dpull": self._dpull, "dstage": self._dstage}
 
     def caught_up(self) -> bool:
         """Our Raft member follows a leader and has applied all it knows is committed (so
@@ -161,16 +161,33 @@ class TxnClient:
     def new_cid(self) -> str:
         return f"{uuid.uuid4().hex}"
 
-    async def replicate(self, key: str, cid: str, size: int) -> list[str]:
+    def stage_targets(self, key: str) -> list[str]:
+        """The nodes that will most likely hold `key`'s replicas: stage to them."""
+        return self._candidates(key)[:self.replicas - 1]
+
+    async def stage(self, node: str, sid: str, end: int) -> bool:
+        """Have `node` pull our exposed working copy `sid` up to `end` bytes."""
+        got = await self.node.client.call(node, {"op": "dstage", "sid": sid, "end": end,
+                                                 "from": self.node_id},
+                                          max_data=0, timeout=self.timeout + 60)
+        return got is not None and bool(got[0].get("ok"))
+
+    async def replicate(self, key: str, cid: str, size: int,
+                        staged: dict[str, tuple[str, int]] | None = None) -> list[str]:
         """Have `replicas - 1` other nodes pull blob `cid` from us; the holders, us first.
+        `staged`: node -> (stage id, bytes) it already pulled while the file was written.
         With fewer live nodes than that, the copies that could be made."""
         holders = [self.node_id]
-        for node in self._candidates(key):
+        staged = staged or {}
+        for node in list(staged) + [n for n in self._candidates(key) if n not in staged]:
             if len(holders) >= self.replicas:
                 break
-            got = await self.node.client.call(node, {"op": "dpull", "cid": cid, "size": size,
-                                                     "from": self.node_id},
-                                              max_data=0, timeout=self.timeout + 60)
+            msg: dict[str, Any] = {"op": "dpull", "cid": cid, "size": size,
+                                   "from": self.node_id}
+            if node in staged:
+                msg["stage"], msg["staged"] = staged[node]
+            got = await self.node.client.call(node, msg, max_data=0,
+                                              timeout=self.timeout + 60)
             if got is not None and got[0].get("ok"):
                 holders.append(node)
         if len(holders) < min(self.replicas, len(self.node.membership.ring)):
@@ -195,14 +212,16 @@ class TxnClient:
                 return bytes(got[1])
         raise PeerError(f"no holder of blob {cid} ({', '.join(holders)}) could serve it")
 
-    async def pull(self, cid: str, size: int, holders: list[str]) -> None:
-        """Get a local copy of blob `cid` from any of `holders`."""
+    async def pull(self, cid: str, size: int, holders: list[str], stage: str | None = None,
+                   staged: int = 0) -> None:
+        """Get a local copy of blob `cid` from any of `holders` (starting from what stage
+        `stage` holds, if given)."""
         live = [h for h in holders if h != self.node_id]
 
         async def reader(off: int, n: int) -> bytes:
             return await self.read_blob(cid, live, off, n)
 
-        await self.dirty.pull(cid, size, reader)
+        await self.dirty.pull(cid, size, reader, stage, staged)
 
     # -- serving peers --------------------------------------------------------------------
 
@@ -223,5 +242,18 @@ class TxnClient:
     async def _dpull(self, peer: str, msg: dict[str, Any]) -> Reply:
         cid = self._cid(msg)
         size = field_int(msg, "size", 0, MAX_BLOB)
-        await self.pull(cid, size, [field_str(msg, "from")])
+        stage = self._cid({"cid": msg["stage"]}) if "stage" in msg else None
+        staged = field_int(msg, "staged", 0, MAX_BLOB) if stage else 0
+        await self.pull(cid, size, [field_str(msg, "from")], stage, staged)
+        return {"ok": True}, None
+
+    async def _dstage(self, peer: str, msg: dict[str, Any]) -> Reply:
+        sid = self._cid({"cid": msg.get("sid")})
+        end = field_int(msg, "end", 0, MAX_BLOB)
+        writer = field_str(msg, "from")
+
+        async def reader(off: int, n: int) -> bytes:
+            return await self.read_blob(sid, [writer], off, n)
+
+        await self.dirty.stage(sid, end, reader)
         return {"ok": True}, None

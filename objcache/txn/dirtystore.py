@@ -6,14 +6,21 @@ copy is unshared before it is written again), and the other holders pull a copy 
 before the close returns: that is the replication that makes a closed file outlive its
 node. Blobs are named by content id, not by path, so a rename moves no data. A blob goes
 when no namespace entry refers to it any more (after upload, overwrite or unlink).
+
+Replication while writing: a writer exposes its working copy under a stage id (`expose`),
+and the replicas pull its complete pieces into `<sid>.stage` files as it grows (`stage`).
+The pull at close then adopts the staged prefix and fetches only the rest. A stage nobody
+adopts is dropped after STAGE_IDLE seconds without growth.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -25,9 +32,17 @@ log = logging.getLogger(__name__)
 PIECE = 8 << 20  # bytes per pull request
 PULL_PARALLEL = 4
 KEEP_UNREFERENCED = 120.0  # seconds a blob may wait for the commit that refers to it
+STAGE_IDLE = 600.0  # seconds a stage may go without growing before it is dropped
 
 # (offset, length) -> bytes, reading the blob from a holder
 Reader = Callable[[int, int], Awaitable[bytes]]
+
+
+@dataclass(slots=True)
+class Stage:
+    end: int = 0  # bytes [0, end) are in the stage file
+    touched: float = 0.0
+    lock: trio.Lock = field(default_factory=trio.Lock)
 
 
 class DirtyStore:
@@ -41,8 +56,11 @@ class DirtyStore:
         self.born: dict[str, float] = {}  # cid -> when it appeared (unreferenced grace)
         self.committed: set[str] = set()  # seen referenced by an entry: no grace once not
         self.io = trio.CapacityLimiter(8)  # file copies and fsyncs off the trio thread
+        self.exposed: dict[str, str] = {}  # writer side: stage id -> working copy path
+        self.stages: dict[str, Stage] = {}  # replica side: stage id -> what is staged
+        self.staged_bytes = 0  # pulled while their file was being written
         for f in self.root.iterdir():
-            if f.name.endswith(".part"):
+            if f.name.endswith((".part", ".stage")):
                 f.unlink()
                 continue
             size = f.stat().st_size
@@ -74,42 +92,113 @@ class DirtyStore:
         self.born[cid] = time.monotonic()
 
     async def read(self, cid: str, offset: int, length: int) -> bytes:
-        if cid not in self.sizes:
-            raise NotFound(f"blob {cid} is not held here")
+        """Bytes of blob `cid`, or of the working copy exposed as stage `cid`."""
+        path = self.exposed.get(cid)
+        if path is None:
+            if cid not in self.sizes:
+                raise NotFound(f"blob {cid} is not held here")
+            path = self.path(cid)
 
         def fn() -> bytes:
-            with open(self.path(cid), "rb") as f:
+            with open(path, "rb") as f:
                 return os.pread(f.fileno(), length, offset)
 
         return await trio.to_thread.run_sync(fn, limiter=self.io)
 
-    async def pull(self, cid: str, size: int, reader: Reader) -> None:
-        """Copy blob `cid` from a holder (`reader`), durably, unless we hold it already."""
-        if cid in self.sizes:
-            return
-        part = self.path(cid) + f".{os.getpid()}.{id(reader)}.part"
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # -- replication while writing ----------------------------------------------------------
+
+    def expose(self, sid: str, working_copy: str) -> None:
+        self.path(sid)  # a valid name
+        self.exposed[sid] = working_copy
+
+    def unexpose(self, sid: str) -> None:
+        self.exposed.pop(sid, None)
+
+    async def stage(self, sid: str, end: int, reader: Reader) -> None:
+        """Pull the staged file of `sid` up to `end` bytes from its writer (`reader`)."""
+        st = self.stages.setdefault(sid, Stage(touched=time.monotonic()))
+        async with st.lock:
+            if end <= st.end:
+                return
+            grow = end - st.end
+            if not self._charge(grow):
+                raise NoSpace(f"no room to stage {grow} bytes of a file being written")
+            try:
+                await self._fetch(self.path(sid) + ".stage", st.end, end, reader, sync=False)
+            except BaseException:
+                self._release(grow)
+                raise
+            st.end = end
+            st.touched = time.monotonic()
+            self.staged_bytes += grow
+
+    def _adopt(self, sid: str, upto: int, part: str) -> int:
+        """Make the first `upto` staged bytes of `sid` the start of `part` (0: drop the
+        stage); how many."""
+        st = self.stages.get(sid)
+        if st is None or st.lock.locked():  # a pull still running: stale, GC drops it
+            return 0
+        del self.stages[sid]
+        self._release(st.end)
+        upto = min(upto, st.end)
+        if upto:
+            os.rename(self.path(sid) + ".stage", part)
+        else:  # the file changed behind the stage
+            os.unlink(self.path(sid) + ".stage")
+        return upto
+
+    def _drop_stale_stages(self) -> None:
+        now = time.monotonic()
+        for sid, st in list(self.stages.items()):
+            if now - st.touched > STAGE_IDLE and not st.lock.locked():
+                del self.stages[sid]
+                self._release(st.end)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path(sid) + ".stage")
+
+    async def _fetch(self, path: str, start: int, end: int, reader: Reader,
+                     sync: bool) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
-            os.ftruncate(fd, size)
             limiter = trio.CapacityLimiter(PULL_PARALLEL)
 
             async def piece(off: int) -> None:
                 async with limiter:
-                    n = min(PIECE, size - off)
+                    n = min(PIECE, end - off)
                     data = await reader(off, n)
                     if len(data) != n:
-                        raise NotFound(f"blob {cid}: holder sent {len(data)} of {n} bytes")
+                        raise NotFound(f"{path}: holder sent {len(data)} of {n} bytes")
                     await trio.to_thread.run_sync(os.pwrite, fd, data, off, limiter=self.io)
 
             async with trio.open_nursery() as nursery:
-                for off in range(0, size, PIECE):
+                for off in range(start, end, PIECE):
                     nursery.start_soon(piece, off)
-            await trio.to_thread.run_sync(os.fsync, fd, limiter=self.io)
-        except BaseException:
+            if sync:
+                await trio.to_thread.run_sync(os.fsync, fd, limiter=self.io)
+        finally:
             os.close(fd)
-            os.unlink(part)
+
+    # -- pulling a whole blob -----------------------------------------------------------
+
+    async def pull(self, cid: str, size: int, reader: Reader, stage: str | None = None,
+                   staged: int = 0) -> None:
+        """Copy blob `cid` from a holder (`reader`), durably, unless we hold it already;
+        the first `staged` bytes may already be here as stage `stage`."""
+        if cid in self.sizes:
+            return
+        part = self.path(cid) + f".{os.getpid()}.{id(reader)}.part"
+        have = self._adopt(stage, min(staged, size), part) if stage else 0
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | (0 if have else os.O_TRUNC), 0o600)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            await self._fetch(part, have, size, reader, sync=True)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
             raise
-        os.close(fd)
         if cid in self.sizes:  # pulled twice at once
             os.unlink(part)
             return
@@ -130,6 +219,7 @@ class DirtyStore:
 
     def gc(self, referenced: set[str]) -> int:
         """Drop blobs nothing refers to (after a grace period for ones being committed)."""
+        self._drop_stale_stages()
         now = time.monotonic()
         n = 0
         self.committed |= referenced & self.sizes.keys()

@@ -136,6 +136,19 @@ class FaultyStore:
         await self._before("put")
         return await self.inner.put_file(key, path, size, metadata, part_size)
 
+    async def start_upload(self, key: str, metadata: dict[str, str]) -> str:
+        await self._before("put")
+        return await self.inner.start_upload(key, metadata)
+
+    async def put_part(self, key: str, upload_id: str, number: int, path: str, start: int,
+                       length: int) -> str:
+        await self._before("put")
+        return await self.inner.put_part(key, upload_id, number, path, start, length)
+
+    async def finish_upload(self, key: str, upload_id: str, etags: dict[int, str]) -> str:
+        await self._before("put")
+        return await self.inner.finish_upload(key, upload_id, etags)
+
     async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None,
                    src_etag: str | None = None) -> str:
         await self._before("copy")

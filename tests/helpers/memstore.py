@@ -20,6 +20,8 @@ class MemoryStore:
         self.objects: dict[str, tuple[bytes, dict[str, str], str, int]] = {}
         self.calls: Counter[str] = Counter()
         self.delay = 0.0
+        self.uploads: dict[str, tuple[str, dict[str, str], dict[int, bytes]]] = {}
+        self.aborted = 0
 
     def put(self, key: str, body: bytes, metadata: dict[str, str] | None = None) -> str:
         etag = '"' + hashlib.md5(body).hexdigest() + '"'
@@ -96,6 +98,31 @@ class MemoryStore:
         self.calls["put"] += 1
         data = await trio.Path(path).read_bytes()
         return self.put(key, data.ljust(size, b"\0"), metadata)
+
+    async def start_upload(self, key: str, metadata: dict[str, str]) -> str:
+        self.calls["create_multipart"] += 1
+        upload_id = os.urandom(8).hex()
+        self.uploads[upload_id] = (key, dict(metadata), {})
+        return upload_id
+
+    async def put_part(self, key: str, upload_id: str, number: int, path: str, start: int,
+                       length: int) -> str:
+        self.calls["upload_part"] += 1
+        await trio.sleep(self.delay)
+        whole = await trio.Path(path).read_bytes()
+        data = whole[start:start + length].ljust(length, b"\0")
+        self.uploads[upload_id][2][number] = data
+        return '"' + hashlib.md5(data).hexdigest() + '"'
+
+    async def finish_upload(self, key: str, upload_id: str, etags: dict[int, str]) -> str:
+        self.calls["complete_multipart"] += 1
+        k, meta, parts = self.uploads.pop(upload_id)
+        assert k == key and sorted(parts) == sorted(etags) == list(range(1, len(etags) + 1))
+        return self.put(key, b"".join(parts[n] for n in sorted(parts)), meta)
+
+    async def abort_upload(self, key: str, upload_id: str) -> None:
+        self.aborted += 1
+        self.uploads.pop(upload_id, None)
 
     async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None,
                    src_etag: str | None = None) -> str:

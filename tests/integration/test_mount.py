@@ -155,6 +155,49 @@ def test_kill9_and_restart_loses_no_closed_file(s3, bucket, mount):  # type: ign
         assert s3_body(s3, bucket, k) == v
 
 
+def _parts_in_s3(s3, bucket: str, key: str) -> int:  # type: ignore
+    ups = [u for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+           if u["Key"] == key]
+    return sum(len(s3.list_parts(Bucket=bucket, Key=key, UploadId=u["UploadId"])
+                   .get("Parts", [])) for u in ups)
+
+
+def test_a_sequential_writer_streams_to_s3_while_it_writes(s3, bucket, mount):  # type: ignore
+    # 5 MiB chunks: 5 MiB parts. The write-back delay is an hour: only streaming uploads.
+    m = mount(*SMALL_CHUNKS, "--writeback-delay", "3600")
+    data = os.urandom(23 * MiB)
+    with open(m.mnt / "ckpt.pt", "wb", buffering=0) as f:
+        for off in range(0, 21 * MiB, MiB):
+            f.write(data[off:off + MiB])
+        wait_for(lambda: _parts_in_s3(s3, bucket, "ckpt.pt") >= 3, what="parts in S3")
+        assert "ckpt.pt" not in s3_keys(s3, bucket)  # never an object while open
+        f.write(data[21 * MiB:])
+    wait_for(lambda: "ckpt.pt" in s3_keys(s3, bucket), what="the object after close")
+    assert s3_body(s3, bucket, "ckpt.pt") == data
+    wb = m.status()["writeback"]
+    assert (wb["streamed_files"], wb["stream_fallbacks"]) == (1, 0)
+
+
+def test_kill9_during_a_streamed_write_completes_nothing_and_keeps_closed_files(  # type: ignore
+        s3, bucket, mount):
+    m = mount(*SMALL_CHUNKS, "--writeback-delay", "3600")
+    closed = os.urandom(3 * MiB)
+    (m.mnt / "closed.bin").write_bytes(closed)
+    f = open(m.mnt / "open.pt", "wb", buffering=0)  # noqa: SIM115
+    try:
+        for _ in range(16):
+            f.write(os.urandom(MiB))
+        wait_for(lambda: _parts_in_s3(s3, bucket, "open.pt") >= 2, what="parts in S3")
+        m.kill9()
+    finally:
+        with pytest.raises(OSError):
+            f.close()  # the mount is gone: this close is never acknowledged
+    assert not {"open.pt", "closed.bin"} & s3_keys(s3, bucket)
+    m2 = mount(*SMALL_CHUNKS, "--writeback-delay", "3600", cache=m.cache, mnt=m.mnt)
+    objcache("flush", str(m2.mnt))
+    assert s3_body(s3, bucket, "closed.bin") == closed
+
+
 def test_umount_and_sigterm_flush(s3, bucket, mount, tmp_path):  # type: ignore
     m = mount("--writeback-delay", "3600")
     (m.mnt / "u.txt").write_bytes(b"umount me")

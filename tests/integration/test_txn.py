@@ -16,6 +16,7 @@ import pytest
 
 from tests.helpers.mount import Mount, objcache
 
+MiB = 1 << 20
 WB = ("--writeback-delay", "3600")  # nothing uploads unless a test asks
 
 
@@ -182,22 +183,48 @@ def test_leader_killed_during_rename_storm(cluster):  # type: ignore[no-untyped-
         assert m.errors_in_log() == []
 
 
+def _staged(nodes: list[Mount]) -> int:
+    """The largest stage file (bytes pulled while a file is being written) on `nodes`."""
+    return max((f.stat().st_size for n in nodes for f in (n.cache / "dirty").glob("*.stage")),
+               default=0)
+
+
 def test_node_lost_with_its_cache_dir_loses_no_closed_file(cluster, s3, bucket):  # type: ignore
-    nodes = _three(cluster)
+    nodes = _three(cluster, "--chunk-size", "5M")
     a, b, c = nodes
     want = {}
     for j in range(30):
         data = os.urandom(1000 + j * 30_000)
         (a.mnt / f"f{j}").write_bytes(data)
         want[f"f{j}"] = hashlib.sha256(data).hexdigest()
-    a.kill9()
+    # A file written front to back: its replica pulls complete chunks while it is written.
+    big = os.urandom(21 * MiB)
+    with open(a.mnt / "big", "wb", buffering=0) as f:
+        for off in range(0, 17 * MiB, MiB):
+            f.write(big[off:off + MiB])
+        _wait(lambda: _staged([b, c]) >= 15 * MiB, what="chunks staged while writing")
+        f.write(big[17 * MiB:])
+    want["big"] = hashlib.sha256(big).hexdigest()
+    # One still being written when its node dies: staged on a replica, never acknowledged.
+    f = open(a.mnt / "unclosed", "wb", buffering=0)  # noqa: SIM115
+    try:
+        for _ in range(13):
+            f.write(os.urandom(MiB))
+        _wait(lambda: _staged([b, c]) >= 10 * MiB, what="the open file's chunks staged")
+        a.kill9()
+    finally:
+        with pytest.raises(OSError):
+            f.close()
     shutil.rmtree(a.cache)
-    # The survivors still read every file, then upload all of it.
+    # The survivors still read every closed file, then upload all of it.
     for j in (0, 17, 29):
         assert hashlib.sha256((b.mnt / f"f{j}").read_bytes()).hexdigest() == want[f"f{j}"]
+    assert hashlib.sha256((c.mnt / "big").read_bytes()).hexdigest() == want["big"]
+    assert (b.mnt / "unclosed").read_bytes() == b""  # created (acknowledged), no content
     out = objcache("flush", str(b.mnt), timeout=300)
     assert out.returncode == 0, out.stderr
     objs = _objects(s3, bucket)
+    assert objs.pop("unclosed", b"") == b""
     assert {k: hashlib.sha256(v).hexdigest() for k, v in objs.items()} == want
 
 

@@ -1,0 +1,129 @@
+"""Replication while writing, for the cluster backend.
+
+A closed file must be on `--replicas` nodes when close() returns. Instead of copying the
+whole file at close, the writer exposes its working copy under a stage id, and each time a
+chunk is complete the likely replicas pull the new bytes (objcache.txn.dirtystore stages).
+close() then has them adopt the staged prefix and pull only the rest.
+
+Staged bytes are sealed (LocalFile.sealed): a write or truncate below the seal breaks it,
+and the close falls back to a whole pull. Nothing staged is visible to anyone: a stage only
+becomes a blob when the close that names it commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from objcache.errors import ObjcacheError
+
+if TYPE_CHECKING:
+    from objcache.cache.localfiles import LocalFile
+    from objcache.txn.coordinator import TxnClient
+    from objcache.txn.dirtystore import DirtyStore
+
+log = logging.getLogger(__name__)
+
+ROUND = 4
+
+
+@dataclass(eq=False)
+class Staging:
+    lf: LocalFile
+    sid: str
+    targets: list[str]
+    staged: dict[str, int] = field(default_factory=dict)  # node -> bytes it holds
+    end: int = 0  # bytes sealed for staging
+    finishing: bool = False
+    wake: trio.Event = field(default_factory=trio.Event)
+    ended: trio.Event = field(default_factory=trio.Event)
+
+
+class Stager:
+    def __init__(self, txn: TxnClient, dirty: DirtyStore, step: int) -> None:
+        self.txn = txn
+        self.dirty = dirty
+        self.step = step  # stage when this many more bytes are complete
+        self._by_fid: dict[int, Staging] = {}
+
+    def poll(self, lf: LocalFile, nursery: trio.Nursery) -> None:
+        st = self._by_fid.get(lf.fid)
+        if st is not None:
+            st.wake.set()
+            return
+        if (not lf.writers or lf.removed or lf.base_key is not None or lf.base_limit
+                or lf.shared or lf.size < self.step or self.txn.replicas < 2):
+            return
+        targets = self.txn.stage_targets(lf.key)
+        if not targets:
+            return
+        st = Staging(lf, uuid.uuid4().hex, targets)
+        lf.sealed, lf.seal_broken = 0, False
+        self._by_fid[lf.fid] = st
+        self.dirty.expose(st.sid, lf.path)
+        nursery.start_soon(self._drive, st)
+
+    def sweep(self) -> None:
+        for fid, st in list(self._by_fid.items()):
+            if st.lf.removed:
+                del self._by_fid[fid]
+                self._stop(st)
+                self.dirty.unexpose(st.sid)
+
+    def _stop(self, st: Staging) -> None:
+        st.finishing = True
+        st.wake.set()
+
+    async def _drive(self, st: Staging) -> None:
+        lf = st.lf
+        try:
+            while not (st.finishing or lf.seal_broken or lf.removed):
+                # rounds of at most ROUND chunks: close() waits for the one in flight
+                end = min(lf.size - lf.size % self.step, st.end + ROUND * self.step)
+                if end > st.end:
+                    lf.sealed = st.end = end  # before any byte of it is read
+
+                    async def one(node: str, end: int = end) -> None:
+                        try:
+                            if await self.txn.stage(node, st.sid, end):
+                                st.staged[node] = end
+                        except ObjcacheError as e:
+                            log.info("staging %r on %s failed (%s): close pulls it whole",
+                                     lf.key, node, e)
+                            st.targets.remove(node)
+
+                    async with trio.open_nursery() as nursery:
+                        for node in list(st.targets):
+                            nursery.start_soon(one, node)
+                    continue
+                await st.wake.wait()
+                st.wake = trio.Event()
+        finally:
+            st.ended.set()
+
+    async def finish(self, lf: LocalFile) -> dict[str, tuple[str, int]]:
+        """Stop staging `lf` (about to be sealed); node -> (stage id, bytes of it the
+        close's pull adopts: 0 when the file changed behind the stage)."""
+        st = self._by_fid.pop(lf.fid, None)
+        if st is None:
+            return {}
+        self._stop(st)
+        await st.ended.wait()
+        usable = not (lf.seal_broken or lf.size < st.end)
+        lf.sealed, lf.seal_broken = 0, False
+        if not st.staged:
+            self.dirty.unexpose(st.sid)
+            return {}
+        if not usable:  # the replicas drop what they staged and pull the whole file
+            log.info("%r changed behind what was staged: close pulls it whole", lf.key)
+        return {node: (st.sid, n if usable else 0) for node, n in st.staged.items()}
+
+    def done(self, staged: dict[str, tuple[str, int]]) -> None:
+        """The close's pulls are over: the working copy is no longer readable as a
+        stage."""
+        for sid, _ in staged.values():
+            self.dirty.unexpose(sid)
