@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from objcache.cluster.peers import field_int, field_str
-from objcache.errors import NoQuorum, PeerError, ProtocolError, error_from_code
+from objcache.errors import NoQuorum, NotFound, PeerError, ProtocolError, error_from_code
 from objcache.txn.dirtystore import PIECE, DirtyStore
 from objcache.txn.state import ClusterState
 
@@ -212,14 +212,36 @@ class TxnClient:
                 return bytes(got[1])
         raise PeerError(f"no holder of blob {cid} ({', '.join(holders)}) could serve it")
 
+    async def read_blob_into(self, cid: str, holders: list[str], offset: int,
+                             buf: memoryview) -> None:
+        """Fill `buf` with blob `cid`'s bytes from `offset`, received in place from a
+        holder (a holder sending another length is a protocol error: the next one is
+        asked)."""
+        if self.dirty.has(cid):
+            data = await self.dirty.read(cid, offset, len(buf))
+            if len(data) != len(buf):
+                raise NotFound(f"blob {cid} has {offset + len(data)} bytes here")
+            buf[:] = data
+            return
+        for node in holders:
+            if node == self.node_id or self.node.membership.addr_of(node) is None:
+                continue
+            got = await self.node.client.call(node, {"op": "dread", "cid": cid,
+                                                     "off": offset, "len": len(buf)},
+                                              max_data=len(buf), into=buf,
+                                              timeout=self.node.request_timeout)
+            if got is not None and got[1] is not None:
+                return
+        raise PeerError(f"no holder of blob {cid} ({', '.join(holders)}) could serve it")
+
     async def pull(self, cid: str, size: int, holders: list[str], stage: str | None = None,
                    staged: int = 0) -> None:
         """Get a local copy of blob `cid` from any of `holders` (starting from what stage
         `stage` holds, if given)."""
         live = [h for h in holders if h != self.node_id]
 
-        async def reader(off: int, n: int) -> bytes:
-            return await self.read_blob(cid, live, off, n)
+        async def reader(off: int, buf: memoryview) -> None:
+            await self.read_blob_into(cid, live, off, buf)
 
         await self.dirty.pull(cid, size, reader, stage, staged)
 
@@ -252,8 +274,8 @@ class TxnClient:
         end = field_int(msg, "end", 0, MAX_BLOB)
         writer = field_str(msg, "from")
 
-        async def reader(off: int, n: int) -> bytes:
-            return await self.read_blob(sid, [writer], off, n)
+        async def reader(off: int, buf: memoryview) -> None:
+            await self.read_blob_into(sid, [writer], off, buf)
 
         await self.dirty.stage(sid, end, reader)
         return {"ok": True}, None

@@ -16,7 +16,9 @@ adopts is dropped after STAGE_IDLE seconds without growth.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import mmap
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -34,8 +36,8 @@ PULL_PARALLEL = 4
 KEEP_UNREFERENCED = 120.0  # seconds a blob may wait for the commit that refers to it
 STAGE_IDLE = 600.0  # seconds a stage may go without growing before it is dropped
 
-# (offset, length) -> bytes, reading the blob from a holder
-Reader = Callable[[int, int], Awaitable[bytes]]
+# (offset, buffer): fill the buffer with the blob's bytes from `offset`, read from a holder
+Reader = Callable[[int, memoryview], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -43,6 +45,28 @@ class Stage:
     end: int = 0  # bytes [0, end) are in the stage file
     touched: float = 0.0
     lock: trio.Lock = field(default_factory=trio.Lock)
+
+
+PAGE = 4096
+
+
+def _open_for_pieces(path: str, direct: bool) -> int:
+    if direct:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # a file system without O_DIRECT (tmpfs)
+                raise
+    return os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+
+
+def _write_piece(fd: int, buf: mmap.mmap, n: int, off: int) -> None:
+    """`n` bytes of `buf` at `off` (a multiple of PAGE), rounded up to whole pages so an
+    O_DIRECT descriptor takes them; the caller cuts the file to size afterwards."""
+    view = memoryview(buf)[:-(-n // PAGE) * PAGE]
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], off + done)
 
 
 class DirtyStore:
@@ -124,7 +148,8 @@ class DirtyStore:
             if not self._charge(grow):
                 raise NoSpace(f"no room to stage {grow} bytes of a file being written")
             try:
-                await self._fetch(self.path(sid) + ".stage", st.end, end, reader, sync=False)
+                # synced as it goes: the close's pull then only has the tail to sync
+                await self._fetch(self.path(sid) + ".stage", st.end, end, reader, sync=True)
             except BaseException:
                 self._release(grow)
                 raise
@@ -158,25 +183,39 @@ class DirtyStore:
 
     async def _fetch(self, path: str, start: int, end: int, reader: Reader,
                      sync: bool) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        """Bytes [start, end) of the file at `path`, from `reader`; the file ends at `end`.
+        Written with O_DIRECT where the file system takes it (a replica's copy is not read
+        again soon, and on the cache disk direct writes are about 3x faster than buffered
+        ones once the page cache has to write back)."""
+        fd = _open_for_pieces(path, direct=start % PAGE == 0)
+        # PULL_PARALLEL page-aligned buffers, reused piece after piece: the bytes are
+        # received into them and written from them (no allocation, no copies)
+        size = -(-min(PIECE, end - start) // PAGE) * PAGE
+        free = [mmap.mmap(-1, size) for _ in range(PULL_PARALLEL)]
         try:
             limiter = trio.CapacityLimiter(PULL_PARALLEL)
 
             async def piece(off: int) -> None:
                 async with limiter:
-                    n = min(PIECE, end - off)
-                    data = await reader(off, n)
-                    if len(data) != n:
-                        raise NotFound(f"{path}: holder sent {len(data)} of {n} bytes")
-                    await trio.to_thread.run_sync(os.pwrite, fd, data, off, limiter=self.io)
+                    buf = free.pop()
+                    try:
+                        n = min(PIECE, end - off)
+                        await reader(off, memoryview(buf)[:n])
+                        await trio.to_thread.run_sync(_write_piece, fd, buf, n, off,
+                                                      limiter=self.io)
+                    finally:
+                        free.append(buf)
 
             async with trio.open_nursery() as nursery:
                 for off in range(start, end, PIECE):
                     nursery.start_soon(piece, off)
+            os.ftruncate(fd, end)  # a direct write of the tail rounds it up to a page
             if sync:
-                await trio.to_thread.run_sync(os.fsync, fd, limiter=self.io)
+                await trio.to_thread.run_sync(os.fdatasync, fd, limiter=self.io)
         finally:
             os.close(fd)
+            for buf in free:
+                buf.close()
 
     # -- pulling a whole blob -----------------------------------------------------------
 
