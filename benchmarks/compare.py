@@ -416,7 +416,7 @@ def write_report(res: dict[str, Any], big_size: int, n_small: int) -> None:
     head = [f"### Run of {stamp} (`benchmarks.compare`)", ""]
     log_md = DOCS / "benchmarks.md"
     text = log_md.read_text()
-    marker = "\n## Transactions"
+    marker = "\n## Checkpoints"
     cut = text.index(marker) if marker in text else len(text)
     body = [ln.replace("## Model loading", "#### Model loading")
             .replace("## Checkpoints", "#### Checkpoints") for ln in table[2:]]

@@ -191,7 +191,7 @@ class DirtyStore:
         # PULL_PARALLEL page-aligned buffers, reused piece after piece: the bytes are
         # received into them and written from them (no allocation, no copies)
         size = -(-min(PIECE, end - start) // PAGE) * PAGE
-        free = [mmap.mmap(-1, size) for _ in range(PULL_PARALLEL)]
+        free = [mmap.mmap(-1, size) for _ in range(PULL_PARALLEL if size else 0)]
         try:
             limiter = trio.CapacityLimiter(PULL_PARALLEL)
 
