@@ -62,6 +62,10 @@ class NameTooLong(ObjcacheError):
     pass
 
 
+class FileTooBig(ObjcacheError):
+    """Beyond the largest object the multipart part schedule can upload."""
+
+
 class StaleObject(ObjcacheError):
     """The object changed in S3 while a handle was reading the old version."""
 
@@ -117,6 +121,7 @@ _TABLE: dict[type[ObjcacheError], tuple[str, int]] = {
     ReadOnly: ("readonly", _errno.EROFS),
     Invalid: ("invalid", _errno.EINVAL),
     NameTooLong: ("nametoolong", _errno.ENAMETOOLONG),
+    FileTooBig: ("toobig", _errno.EFBIG),
     StaleObject: ("stale", _errno.ESTALE),
     StoreError: ("store", _errno.EIO),
     StoreUnavailable: ("unavailable", _errno.EIO),

@@ -44,6 +44,7 @@ from objcache.core.inode import (
 from objcache.entries import Attrs, DirEntry, FileEntry, FlushScope, ObjectRef
 from objcache.errors import (
     Exists,
+    FileTooBig,
     Invalid,
     IsADirectory,
     NameTooLong,
@@ -55,6 +56,7 @@ from objcache.errors import (
     first_error,
 )
 from objcache.store.meta import parse_meta
+from objcache.store.parts import max_size
 
 if TYPE_CHECKING:
     from objcache.cache.router import ChunkRouter
@@ -63,6 +65,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_KEY_BYTES = 1024  # S3's limit on a key
+NAME_MAX = 255  # what statfs reports as f_namemax
+MAX_OBJECT = 5 << 40  # S3's limit on an object
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
@@ -130,6 +134,8 @@ class _MetaPrefetch:
 
 
 def _name(name: bytes | str) -> str:
+    if len(name if isinstance(name, bytes) else name.encode()) > NAME_MAX:
+        raise NameTooLong(f"a name of more than {NAME_MAX} bytes")
     if isinstance(name, bytes):
         try:
             name = name.decode("utf-8")
@@ -170,6 +176,8 @@ class Filesystem:
         self.uid, self.gid = os.getuid(), os.getgid()
         self.ttl = cfg.metadata_ttl
         self.readahead_chunks = max(1, cfg.readahead // cfg.chunk_size)
+        # S3 allows 5 TiB per object; the part schedule may allow less with small chunks
+        self.max_file_size = min(max_size(cfg.chunk_size), MAX_OBJECT)
         self.inodes: dict[int, Inode] = {}
         self.by_key: dict[str, int] = {}
         self.handles: dict[int, FileHandle] = {}
@@ -276,6 +284,12 @@ class Filesystem:
             raise NameTooLong(name)
         return key
 
+    def _fits(self, inode: Inode, size: int) -> None:
+        """EFBIG beyond the largest object the part schedule can upload."""
+        if size > self.max_file_size:
+            raise FileTooBig(f"{inode.key}: {size} bytes is more than the "
+                             f"{self.max_file_size} an object can have here")
+
     def _writable(self) -> None:
         if self.cfg.read_only:
             raise ReadOnly("mounted read-only")
@@ -306,7 +320,7 @@ class Filesystem:
         return None
 
     def attr(self, inode: Inode) -> Attr:
-        nlink = 0 if inode.detached else 2 if inode.is_dir else 1
+        nlink = 0 if inode.detached else self._dir_links(inode) if inode.is_dir else 1
         lf = self._working_copy_of(inode)
         if lf is not None:
             timeout = 0.0 if inode.detached else self.ttl
@@ -318,6 +332,16 @@ class Filesystem:
                    else 0.0)
         return Attr(inode.ino, inode.mode, inode.size, inode.uid, inode.gid, inode.mtime_ns,
                     timeout, nlink)
+
+    def _dir_links(self, d: Inode) -> int:
+        """2 + the subdirectories we know of (as far as the directory was listed)."""
+        if d.children is None:
+            return 2
+        subdirs = 0
+        for ino in d.children.values():
+            child = self.inodes.get(ino)
+            subdirs += child is not None and child.is_dir
+        return 2 + subdirs
 
     def ctrl_attr(self) -> Attr:
         return Attr(CTRL_INO, stat.S_IFREG | 0o666, 0, 0, 0, self.mount_time_ns, 0.0)
@@ -915,6 +939,7 @@ class Filesystem:
         h = self.handle(fh)
         if not h.writable:
             raise Invalid("handle not open for writing")
+        self._fits(h.inode, offset + len(data))
         if h.lf is None:
             h.lf = await self._working_copy(h.inode)
             self.local.opened(h.lf, True)
@@ -988,6 +1013,7 @@ class Filesystem:
             if h is not None and h.writable and h.lf is None:
                 h.lf = lf  # ftruncate: what it did is committed at the handle's close
                 self.local.opened(lf, True)
+            self._fits(inode, size)
             await self.local.truncate(lf, size)  # mtime = now (POSIX: a size change)
         if lf is not None:
             cur = Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns)
@@ -1265,7 +1291,7 @@ class Filesystem:
         total = max(cache.capacity, 1 << 40) // bsize
         free = max(0, total - cache.used // bsize)
         return {"bsize": bsize, "blocks": total, "bfree": free, "files": 1 << 32,
-                "ffree": 1 << 32, "namemax": 255}
+                "ffree": 1 << 32, "namemax": NAME_MAX}
 
     def key_of(self, ino: int) -> str:
         return self.inode(ino).key

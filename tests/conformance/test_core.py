@@ -89,6 +89,22 @@ async def test_mkdir_rmdir_and_their_errors(env: Env) -> None:
     assert "d/" not in env.objects
 
 
+async def test_a_directory_links_count_its_subdirectories(env: Env) -> None:
+    for d in ("top", "top/a", "top/b", "top/b/deep"):
+        await env.a.mkdir(d)
+    await env.a.write("top/f", b"x")
+    await env.settle()
+    for p in (env.a, env.b):
+        assert sorted(await p.listdir("top")) == ["a", "b", "f"]
+        assert (await p.stat("top")).nlink == 4
+        assert (await p.stat("top/a")).nlink == 2
+    await env.a.rmdir("top/a")
+    await env.settle()
+    for p in (env.a, env.b):
+        await p.listdir("top")
+        assert (await p.stat("top")).nlink == 3
+
+
 async def test_names(env: Env) -> None:
     for bad in ("a/b", "", ".", ".."):
         with pytest.raises(ObjcacheError) as e:
@@ -100,6 +116,16 @@ async def test_names(env: Env) -> None:
     with pytest.raises(ObjcacheError) as e:
         await env.a.mkdir("n" * 1100)
     assert errno_of(e) == errno.ENAMETOOLONG
+    # statfs says f_namemax = 255: one byte more is ENAMETOOLONG everywhere, lookups too
+    await env.a.mkdir("d" * 255)
+    await env.a.write("é" * 127 + "x", b"255 bytes")  # 2 bytes per é
+    long = "n" * 256
+    for call in (lambda: env.a.mkdir(long), lambda: env.a.write(long, b"x"),
+                 lambda: env.a.symlink(long, "target"), lambda: env.a.stat(long),
+                 lambda: env.a.rename("d" * 255, long), lambda: env.a.write("é" * 128, b"")):
+        with pytest.raises(ObjcacheError) as e:
+            await call()
+        assert errno_of(e) == errno.ENAMETOOLONG
     await env.a.write("ünï cødé + space", b"u")
     assert await env.b.read("ünï cødé + space") == b"u"
 
@@ -200,6 +226,17 @@ async def test_truncate_sizes_zeros_and_times(env: Env) -> None:
     with pytest.raises(ObjcacheError) as e:
         await env.a.truncate("dir", 0)
     assert errno_of(e) == errno.EISDIR
+    # beyond the largest object S3 takes (5 TiB): EFBIG, not ENOSPC; nothing changes
+    for size in (10**15, (5 << 40) + 1):
+        with pytest.raises(ObjcacheError) as e:
+            await env.a.truncate("t.bin", size)
+        assert errno_of(e) == errno.EFBIG
+    fh = await env.a.open("t.bin", os.O_RDWR)
+    with pytest.raises(ObjcacheError) as e:
+        await env.a.fs.write(fh, 5 << 40, b"x")
+    assert errno_of(e) == errno.EFBIG
+    await env.a.close(fh)
+    assert (await env.a.stat("t.bin")).size == 10
 
 
 async def test_o_trunc_without_a_write_empties_the_file(env: Env) -> None:
