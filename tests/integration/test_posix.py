@@ -409,4 +409,23 @@ def test_mkdir_rmdir_and_errors(place: Place) -> None:
     with pytest.raises(OSError) as e:
         os.mkdir(a / ("n" * 1100))
     assert e.value.errno == errno.ENAMETOOLONG
+    # statfs's f_namemax is 255: a 256-byte name is refused by every call
+    assert os.statvfs(a).f_namemax == 255
+    (a / ("d" * 255)).mkdir()
+    long = "n" * 256
+    for call in (lambda: os.mkdir(a / long), lambda: (a / long).write_bytes(b"x"),
+                 lambda: os.symlink("t", a / long), lambda: os.stat(a / long),
+                 lambda: os.rename(a / ("d" * 255), a / long)):
+        with pytest.raises(OSError) as e:
+            call()
+        assert e.value.errno == errno.ENAMETOOLONG
+    # a directory links its subdirectories; truncating past S3's largest object is EFBIG
+    (a / "top" / "sub").mkdir(parents=True)
+    (a / "top" / "f").write_bytes(b"x")
+    assert sorted(os.listdir(a / "top")) == ["f", "sub"]
+    assert os.stat(a / "top").st_nlink == 3
+    with pytest.raises(OSError) as e:
+        os.truncate(a / "top" / "f", 10**15)
+    assert e.value.errno == errno.EFBIG
+    assert os.stat(a / "top" / "f").st_size == 1
     assert not place.errors()
