@@ -47,7 +47,9 @@ SAVE = ("import sys, time, torch\nn, size = int(sys.argv[2]), int(sys.argv[3])\n
 def save(path: Path, size: int, seed: int = 0) -> tuple[float, float]:
     """(seconds torch.save took, wall-clock time it started)."""
     out = subprocess.run([sys.executable, "-c", SAVE, str(path), str(TENSORS), str(size),
-                          str(seed)], capture_output=True, text=True, check=True)
+                          str(seed)], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"torch.save to {path} failed: {out.stderr.strip()[-400:]}")
     secs, start = out.stdout.split()
     return float(secs), float(start)
 
@@ -158,14 +160,23 @@ def _back_to_back(endpoint: str, s3: Any, bucket: str, work: Path, size: int,
     mounts.append(m)
     m.start(timeout=120)
     assert m.proc is not None
-    secs = []
+    secs: list[float] = []
+    failed = ""
     with sampling(m.proc.pid) as rss:
         for i in range(3):
             (m.mnt / f"b2b{i}").mkdir()
-            secs.append(save(m.mnt / f"b2b{i}" / "ckpt.pt", size, seed=i + 1)[0])
+            try:
+                secs.append(save(m.mnt / f"b2b{i}" / "ckpt.pt", size, seed=i + 1)[0])
+            except RuntimeError as e:  # a target miss to report, not a crash
+                failed = f"{e}; daemon log: " + " | ".join(
+                    ln for ln in m.log_path.read_text().splitlines()[-400:]
+                    if " WARNING " in ln or " ERROR " in ln or "waits" in ln)[-1500:]
+                secs.append(float("nan"))
         objcache("flush", str(m.mnt), timeout=600)
     exact = 0
     for i in range(3):
+        if secs[i] != secs[i]:  # the save failed
+            continue
         twin = work / "local" / "ckpt.pt"
         save(twin, size, seed=i + 1)
         exact += s3_digest(s3, bucket, f"b2b{i}/ckpt.pt") == file_digest(twin)
@@ -174,7 +185,8 @@ def _back_to_back(endpoint: str, s3: Any, bucket: str, work: Path, size: int,
     m.stop()
     return {"b2b_cache_bytes": cache, "b2b_save_s": secs, "b2b_exact": exact,
             "b2b_write_waits": st["write_waits"],
-            "b2b_write_wait_s": st["write_wait_seconds"], "b2b_rss_bytes": rss.peak}
+            "b2b_write_wait_s": st["write_wait_seconds"], "b2b_rss_bytes": rss.peak,
+            "b2b_failed": failed}
 
 
 def run(size: int, profiles: list[str], work: Path | None = None,
@@ -247,6 +259,8 @@ def report(res: dict[str, Any]) -> list[str]:
                       + f" | {r['b2b_exact']}/3 exact; writers waited "
                       f"{r['b2b_write_wait_s']:.1f} s ({r['b2b_write_waits']} waits); "
                       f"RSS {r['b2b_rss_bytes'] / 1e6:.0f} MB | 3/3 |"]
+            if r.get("b2b_failed"):
+                lines += ["", f"Back to back: {r['b2b_failed']}"]
         lines += [""]
     return lines
 
