@@ -173,9 +173,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _run_daemon(cfg: MountConfig, ready_fd: int | None) -> int:
-    from objcache.daemon import Daemon, keep_big_buffers_out_of_the_heap, setup_logging
+    from objcache.daemon import Daemon, setup_logging
 
-    keep_big_buffers_out_of_the_heap()
     log_file = cfg.log_file
     if ready_fd is not None and log_file is None:
         cache_dir = cfg.cache_dir or cfg.default_cache_dir()

@@ -10,7 +10,6 @@ What the control requests do is objcache.admin's; what status reports, objcache.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import json
@@ -54,24 +53,6 @@ from objcache.txn.dirtystore import DirtyStore
 from objcache.txn.state import ClusterState
 
 log = logging.getLogger(__name__)
-
-
-def keep_big_buffers_out_of_the_heap() -> None:
-    """Have glibc map every allocation of 4 MiB or more on its own and unmap it on free.
-
-    The daemon allocates and frees 8 MiB buffers all the time (peer replies, blob pieces).
-    glibc's default raises its mmap threshold after the first such free, after which these
-    buffers come from the heap and freed ones stay in RSS. Measured on a 3-node cluster,
-    1 GiB written and closed with 2 replicas: the writer's peak RSS was 180 MB with the
-    default and 145 MB with a fixed threshold. The threshold stays above FUSE's 1 MiB write
-    requests: at 1 MiB every write request was an mmap, page faults and an munmap, and a
-    1 GiB torch.save took 2.3-5.2 s instead of 2.0-3.0 s. No-op without glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_mmap_threshold = -3
-    libc.mallopt(m_mmap_threshold, 4 << 20)
 
 
 def setup_logging(level: str, log_file: str | None) -> None:
