@@ -22,7 +22,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import reads, writes
+from benchmarks.reads import RSS
 from benchmarks.single_node import (
     boto3_download,
     drop_page_cache,
@@ -44,29 +44,6 @@ from tests.helpers.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS
 
 MiB = 1 << 20
 DOCS = Path(__file__).parents[1] / "docs"
-
-
-class RSS:
-    """Samples a process's resident memory (and its children's) until stopped."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak, self._stop = pid, 0, threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            try:
-                with open(f"/proc/{self.pid}/status") as f:
-                    for line in f:
-                        if line.startswith("VmRSS:"):
-                            self.peak = max(self.peak, int(line.split()[1]) * 1024)
-            except OSError:
-                return
-
-    def stop(self) -> int:
-        self._stop.set()
-        return self.peak
 
 
 def _read_tree(root: Path, names: list[str], threads: int = 8) -> float:

@@ -84,35 +84,37 @@ def ranged_download(s3: Any, bucket: str, key: str, size: int, dest: Path | None
 
 
 class RSS:
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak = pid, 0
+    """Samples a process's resident memory every 0.1 s, from construction until stop()."""
 
-    def sample(self) -> None:
-        try:
-            with open(f"/proc/{self.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        self.peak = max(self.peak, int(line.split()[1]) * 1024)
-        except OSError:
-            pass
+    def __init__(self, pid: int) -> None:
+        import threading
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                with open(f"/proc/{self.pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS:"):
+                            self.peak = max(self.peak, int(line.split()[1]) * 1024)
+            except OSError:
+                return
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.peak
 
 
 @contextmanager
 def sampling(pid: int) -> Iterator[RSS]:
-    import threading
     rss = RSS(pid)
-    stop = threading.Event()
-
-    def run() -> None:
-        while not stop.wait(0.1):
-            rss.sample()
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
     try:
         yield rss
     finally:
-        stop.set()
-        t.join()
+        rss.stop()
 
 
 @contextmanager

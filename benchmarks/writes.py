@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.reads import sampling, wan_proxy
+from benchmarks.reads import _x, sampling, wan_proxy
 from benchmarks.single_node import remove_workdir
 from objcache.config import parse_size
 from tests.helpers.cluster import Cluster
@@ -217,10 +217,6 @@ def run(size: int, profiles: list[str], work: Path | None = None,
         if own:
             remove_workdir(work)
     return out
-
-
-def _x(a: float | None, b: float | None) -> str:
-    return "-" if not a or not b else f"{a / b:.2f}x"
 
 
 def report(res: dict[str, Any]) -> list[str]:
