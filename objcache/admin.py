@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from objcache.entries import FlushScope
-from objcache.errors import UserError
+from objcache.errors import StoreRefused, UserError
 
 if TYPE_CHECKING:
     from objcache.cache.pins import Pins
@@ -70,17 +70,19 @@ class ControlHandlers:
             t0 = time.monotonic()
             n = await self.fs.flush_scope(scope)
             return {"ok": True, "flushed": n, "seconds": round(time.monotonic() - t0, 3)}
-        if op == "drain":
-            if not self.cluster.is_member:
+        if op in ("drain", "unmount"):
+            if op == "drain" and not self.cluster.is_member:
                 raise UserError("drain is for cluster members (mounted with --listen); "
                                 "use umount")
-            result = await self.drain()
+            try:
+                result = await self.drain()
+            except StoreRefused as e:
+                # Everything else is in S3 and the refused files are in the quarantine:
+                # leave anyway, and say which files did not make it.
+                self.leave()
+                raise UserError(f"unmounted; {e}") from None
             self.leave()
             return {"ok": True, "pid": os.getpid(), **result}
-        if op == "unmount":
-            await self.drain()
-            self.leave()
-            return {"ok": True, "pid": os.getpid()}
         raise UserError(f"unknown control request {op!r}")
 
     async def drain(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from objcache.backend.replicated import ReplicatedBackend, applied_changes
 from objcache.cache.chunks import ChunkCache
 from objcache.cache.localfiles import LocalFiles
 from objcache.cache.pins import Pins
+from objcache.cache.quarantine import Quarantine
 from objcache.cache.router import ChunkRouter
 from objcache.cache.statedb import StateDB
 from objcache.cluster.chunkservice import ChunkService
@@ -43,7 +44,7 @@ from objcache.cluster.peers import PeerServer, Routes
 from objcache.config import MountConfig
 from objcache.control import ControlChannel
 from objcache.core.filesystem import Filesystem
-from objcache.errors import ObjcacheError, UserError, unwrap
+from objcache.errors import ObjcacheError, StoreRefused, UserError, unwrap
 from objcache.fs.operations import KernelNotifier, Operations, mount_options, set_read_ahead
 from objcache.status import ClusterStatus, MemberStatus, NoCluster, NodeRow, NodeStatus
 from objcache.store import ObjectStore
@@ -217,14 +218,16 @@ def build(cfg: MountConfig, store: ObjectStore, path: Path, mountpoint: str,
         pins = Pins(cache)
         router = ChunkRouter(cache, pins)
     local = LocalFiles(db, path, cache, router, wait_budget=cfg.s3_retry_seconds)
+    quarantine = Quarantine(path)
     backend: Backend
     if node is not None:
         _discard_unclosed(local)
         dirty = DirtyStore(path, cache.charge, cache.release)
         txn = TxnClient(node, dirty, cfg.replicas, cfg.txn_timeout)
-        backend = ReplicatedBackend(cfg, store, txn, dirty, local, node.raft.applied)
+        backend = ReplicatedBackend(cfg, store, txn, dirty, local, node.raft.applied,
+                                    quarantine)
     else:
-        backend = LocalBackend(cfg, store, local)
+        backend = LocalBackend(cfg, store, local, quarantine)
     notifier = KernelNotifier()
     fs = Filesystem(cfg, backend, router, local, notifier)
     rows = NodeRow(store, cache, backend)
@@ -294,6 +297,8 @@ class Daemon:
                          signal.Signals(signum).name)
                 try:
                     await self.parts.fs.drain()
+                except StoreRefused as e:
+                    log.error("unmounting; %s", e)
                 except ObjcacheError as e:
                     log.error("could not upload every dirty file before exit (they stay in "
                               "the cache dir and upload on the next mount): %s", e)

@@ -15,15 +15,33 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class Attrs:
-    """POSIX attributes of a file or directory (mode includes the type bits)."""
+    """POSIX attributes of a file or directory (mode includes the type bits).
+
+    atime_ns/ctime_ns 0: not known, shown as mtime. rdev: the device number of a character
+    or block device."""
 
     mode: int
     uid: int
     gid: int
     mtime_ns: int
+    atime_ns: int = 0
+    ctime_ns: int = 0
+    rdev: int = 0
 
     def with_perms(self, perms: int) -> Attrs:
         return replace(self, mode=stat.S_IFMT(self.mode) | (perms & 0o7777))
+
+    def changed_at(self, now_ns: int) -> Attrs:
+        """The same attributes after a change at `now_ns` (which moves ctime)."""
+        return replace(self, ctime_ns=now_ns)
+
+    @property
+    def shown_atime(self) -> int:
+        return self.atime_ns or self.mtime_ns
+
+    @property
+    def shown_ctime(self) -> int:
+        return self.ctime_ns or self.mtime_ns
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +101,14 @@ Live = FileEntry | DirEntry
 
 # -- the wire form (msgpack maps in Raft commands) ----------------------------------------
 
-def _attrs(d: dict[str, Any]) -> Attrs:
-    return Attrs(int(d["mode"]), int(d["uid"]), int(d["gid"]), int(d["mtime"]))
+def attrs_from_wire(d: dict[str, Any]) -> Attrs:
+    return Attrs(int(d["mode"]), int(d["uid"]), int(d["gid"]), int(d["mtime"]),
+                 int(d.get("atime", 0)), int(d.get("ctime", 0)), int(d.get("rdev", 0)))
 
 
-def _attrs_wire(a: Attrs) -> dict[str, Any]:
-    return {"mode": a.mode, "uid": a.uid, "gid": a.gid, "mtime": a.mtime_ns}
+def attrs_wire(a: Attrs) -> dict[str, Any]:
+    return {"mode": a.mode, "uid": a.uid, "gid": a.gid, "mtime": a.mtime_ns,
+            "atime": a.atime_ns, "ctime": a.ctime_ns, "rdev": a.rdev}
 
 
 def file_from_wire(d: dict[str, Any]) -> FileEntry:
@@ -107,24 +127,24 @@ def file_from_wire(d: dict[str, Any]) -> FileEntry:
     holders = d.get("holders") or []
     if not isinstance(holders, list | tuple):
         raise TypeError("holders must be a list")
-    return FileEntry(_attrs(d), int(d.get("size", 0)), cid, tuple(str(h) for h in holders),
+    return FileEntry(attrs_from_wire(d), int(d.get("size", 0)), cid, tuple(str(h) for h in holders),
                      ObjectRef(b[0], b[1], b[2]) if b is not None else None, target,
                      float(d.get("at", 0)))
 
 
 def dir_from_wire(d: dict[str, Any]) -> DirEntry:
-    return DirEntry(_attrs(d), float(d.get("at", 0)))
+    return DirEntry(attrs_from_wire(d), float(d.get("at", 0)))
 
 
 def to_wire(e: Entry) -> dict[str, Any]:
     """The map a command carries (and the digest hashes); `ver` is assigned at apply."""
     if isinstance(e, FileEntry):
-        return {"t": "f", **_attrs_wire(e.attrs), "size": e.size, "cid": e.cid,
+        return {"t": "f", **attrs_wire(e.attrs), "size": e.size, "cid": e.cid,
                 "holders": list(e.holders),
                 "base": [e.base.key, e.base.etag, e.base.size] if e.base else None,
                 "target": e.target, "at": e.at, "ver": e.ver}
     if isinstance(e, DirEntry):
-        return {"t": "d", **_attrs_wire(e.attrs), "at": e.at, "ver": e.ver}
+        return {"t": "d", **attrs_wire(e.attrs), "at": e.at, "ver": e.ver}
     return {"t": "x", "at": e.at, "ver": e.ver}
 
 

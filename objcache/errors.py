@@ -78,6 +78,11 @@ class StoreUnavailable(StoreError):
     """The object store could not be reached within the retry budget."""
 
 
+class StoreRefused(StoreError):
+    """The object store refused a request for good (a 4xx other than throttling): retrying
+    the same request cannot help."""
+
+
 class NoQuorum(ObjcacheError):
     """A replicated change could not be committed in time (no leader, or no majority)."""
 
@@ -125,6 +130,7 @@ _TABLE: dict[type[ObjcacheError], tuple[str, int]] = {
     StaleObject: ("stale", _errno.ESTALE),
     StoreError: ("store", _errno.EIO),
     StoreUnavailable: ("unavailable", _errno.EIO),
+    StoreRefused: ("refused", _errno.EIO),
     NoQuorum: ("noquorum", _errno.EIO),
     PeerError: ("peer", _errno.EIO),
     Conflict: ("conflict", _errno.EIO),

@@ -75,6 +75,7 @@ class Snapshot:
     flush_lag: float
     uploads: int
     upload_failures: int
+    quarantined: int
     prefetch_files: dict[str, float]  # by result: ok, failed
     prefetch_bytes: int
     cluster: ClusterSnapshot | None = field(default=None)
@@ -149,6 +150,8 @@ class SnapshotCollector:
         yield _counter("objcache_uploads", "Files uploaded by write-back", s.uploads)
         yield _counter("objcache_upload_failures", "Write-back uploads that failed (retried)",
                        s.upload_failures)
+        yield _gauge("objcache_quarantined_files", "Files S3 refused for good, kept in the "
+                     "cache dir's lost+found/", s.quarantined)
         yield _by(CounterMetricFamily("objcache_prefetch_files", "Files prefetched through "
                                       "this node, by result", labels=["result"]),
                   s.prefetch_files)

@@ -164,7 +164,9 @@ class NodeStatus:
                           c.near_capacity if self.cluster.is_member else 0,
                       "hit_ratio": _hit_ratio(c)},
             "dirty": {"files": wb.dirty_files, "bytes": wb.dirty_bytes,
-                      "oldest_age_seconds": wb.oldest_dirty_seconds},
+                      "oldest_age_seconds": wb.oldest_dirty_seconds,
+                      # refused by S3 for good: in the cache dir's lost+found/
+                      "quarantined": wb.quarantined},
             "writeback": {"uploaded_files": wb.uploaded, "failed_uploads": wb.failed,
                           "streamed_files": wb.streamed,
                           "stream_fallbacks": wb.stream_fallbacks},
@@ -190,7 +192,7 @@ class NodeStatus:
             s3_bytes={"down": s3.bytes_in, "up": s3.bytes_out},
             dirty_files=wb.dirty_files, dirty_bytes=wb.dirty_bytes,
             flush_lag=wb.oldest_dirty_seconds or 0.0, uploads=wb.uploaded,
-            upload_failures=wb.failed,
+            upload_failures=wb.failed, quarantined=wb.quarantined,
             prefetch_files={"ok": self.prefetch.ok, "failed": self.prefetch.failed},
             prefetch_bytes=self.prefetch.bytes,
             cluster=self.cluster.snapshot(st.peer_fallbacks, st.bytes_served_to_peers))

@@ -11,6 +11,7 @@ need=()
 command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 [ -f /usr/include/fuse3/fuse.h ] || need+=(libfuse3-dev)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+command -v s3fs >/dev/null 2>&1 || need+=(s3fs)  # the interoperability tests compare with it
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing ${need[*]}" >&2

@@ -66,6 +66,7 @@ class Stats:
     failed: int
     streamed: int = 0  # files whose upload ran while they were written
     stream_fallbacks: int = 0  # streams given up (a write behind the seal): sent whole
+    quarantined: int = 0  # files S3 refused for good, kept in the cache dir's lost+found/
 
 
 # The attributes the core knows for a key (from a HEAD), if any.
@@ -121,8 +122,9 @@ class Backend(Protocol):
         """A new directory (None: its marker is in S3 now)."""
         ...
 
-    async def symlink(self, key: str, target: bytes, attrs: Attrs) -> FileEntry | ObjectRef:
-        """A new symlink: its entry, or the S3 object that now holds it."""
+    async def make_node(self, key: str, attrs: Attrs, body: bytes) -> FileEntry | ObjectRef:
+        """A new symlink (`body` is its target) or special file (FIFO, socket, device;
+        `body` is empty): its entry, or the S3 object that now holds it."""
         ...
 
     async def unlink(self, key: str, maybe_in_s3: bool) -> None:

@@ -21,6 +21,7 @@ import trio
 from objcache.backend.base import AttrsOf, Change, Moved, Stats
 from objcache.backend.writeback import Writeback
 from objcache.cache.localfiles import LocalFile, LocalFiles
+from objcache.cache.quarantine import Quarantine
 from objcache.entries import Attrs, DirEntry, FileEntry, FlushScope, ObjectRef
 from objcache.errors import NotFound, first_error
 from objcache.store.meta import make_meta
@@ -35,10 +36,12 @@ COPY_PARALLEL = 16
 
 
 class LocalBackend:
-    def __init__(self, cfg: MountConfig, store: ObjectStore, local: LocalFiles) -> None:
+    def __init__(self, cfg: MountConfig, store: ObjectStore, local: LocalFiles,
+                 quarantine: Quarantine) -> None:
         self.store = store
         self.local = local
-        self.writeback = Writeback(cfg, store, local, self._uploaded)
+        self.writeback = Writeback(cfg, store, local, quarantine, self._uploaded,
+                                   self._quarantined)
         self._changes: deque[Change] = deque()
         self._changed = trio.Event()
 
@@ -66,6 +69,10 @@ class LocalBackend:
         self._changes.append(Change(lf.key, None, ObjectRef(lf.key, lf.etag, lf.size)))
         self._changed.set()
 
+    def _quarantined(self, key: str) -> None:
+        self._changes.append(Change(key, None, None))  # the name shows S3's version again
+        self._changed.set()
+
     def take_changes(self) -> list[Change]:
         out = list(self._changes)
         self._changes.clear()
@@ -85,9 +92,9 @@ class LocalBackend:
         await self.store.put_bytes(key + "/", b"", make_meta(attrs))
         return None
 
-    async def symlink(self, key: str, target: bytes, attrs: Attrs) -> FileEntry | ObjectRef:
-        etag = await self.store.put_bytes(key, target, make_meta(attrs))
-        return ObjectRef(key, etag, len(target))
+    async def make_node(self, key: str, attrs: Attrs, body: bytes) -> FileEntry | ObjectRef:
+        etag = await self.store.put_bytes(key, body, make_meta(attrs))
+        return ObjectRef(key, etag, len(body))
 
     async def unlink(self, key: str, maybe_in_s3: bool) -> None:
         if maybe_in_s3:
@@ -120,11 +127,14 @@ class LocalBackend:
                     self.local.remove(dlf)
         if is_dir:
             return await self._rename_dir(src, dst, dir_attrs, attrs_of)
-        moved = await self._rename_object(src, dst, None)
+        # The renamed file's metadata is rewritten with its new ctime, when we know it
+        # (otherwise the copy keeps what the object has).
+        a = attrs_of(src)
+        moved = await self._rename_object(src, dst, None, make_meta(a) if a else None)
         return [moved] if moved is not None else []
 
-    async def _rename_object(self, old: str, new: str, old_etag: str | None
-                             ) -> Moved | None:
+    async def _rename_object(self, old: str, new: str, old_etag: str | None,
+                             meta: dict[str, str] | None = None) -> Moved | None:
         """Move one file or symlink: server-side copy + delete in S3, re-key its working
         copy. A working copy never uploaded has no object to move."""
         lf = self.local.by_key.get(old)
@@ -133,7 +143,7 @@ class LocalBackend:
                 await stack.enter_async_context(lf.lock)
             moved = None
             if lf is None or lf.etag is not None:
-                etag = await self.store.copy(old, new)
+                etag = await self.store.copy(old, new, meta)
                 await self.store.delete(old)
                 moved = Moved(old, old_etag, new, etag)
                 if lf is not None:
@@ -187,7 +197,7 @@ class LocalBackend:
         # A clean copy of an S3 object: rewrite the object's metadata server-side.
         async with lf.lock:
             etag = await self.store.copy(lf.key, lf.key, make_meta(
-                Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns)))
+                lf.attrs))
             lf.etag = etag
             self.local.save(lf)
         return ObjectRef(lf.key, etag, lf.size)
@@ -225,4 +235,5 @@ class LocalBackend:
         files, nbytes, oldest = self.local.dirty_summary()
         streams = self.writeback.streams
         return Stats(files, nbytes, oldest, self.writeback.uploaded_files,
-                     self.writeback.failed_uploads, streams.streamed_files, streams.fallbacks)
+                     self.writeback.failed_uploads, streams.streamed_files, streams.fallbacks,
+                     self.writeback.quarantine.count)

@@ -32,15 +32,17 @@ from objcache.entries import (
     NsChange,
     ObjectRef,
     Tombstone,
+    attrs_wire,
     to_wire,
 )
-from objcache.errors import Gone
+from objcache.errors import Gone, StoreRefused
 from objcache.store.meta import parse_meta
 from objcache.txn.flusher import ClusterFlusher
 from objcache.txn.overlay import OverlayStore
 
 if TYPE_CHECKING:
     from objcache.cache.localfiles import LocalFile, LocalFiles
+    from objcache.cache.quarantine import Quarantine
     from objcache.config import MountConfig
     from objcache.store import ObjectStore
     from objcache.txn.coordinator import TxnClient
@@ -58,14 +60,15 @@ Applied = tuple[list[NsChange], str | None]
 
 class ReplicatedBackend:
     def __init__(self, cfg: MountConfig, s3: ObjectStore, txn: TxnClient, dirty: DirtyStore,
-                 local: LocalFiles, applied: trio.MemoryReceiveChannel[Applied]) -> None:
+                 local: LocalFiles, applied: trio.MemoryReceiveChannel[Applied],
+                 quarantine: Quarantine) -> None:
         self.raw = s3  # S3 itself, for existence checks that must see tombstoned keys
         self.store = OverlayStore(s3, txn)
         self.txn = txn
         self.dirty = dirty
         self.local = local
         self.flusher = ClusterFlusher(s3, txn, dirty, cfg.chunk_size, cfg.writeback_delay,
-                                      local.space)
+                                      local.space, quarantine)
         self.stager = Stager(txn, dirty, cfg.chunk_size)
         self._applied = applied
         self._waiting: list[Applied] = []
@@ -154,8 +157,8 @@ class ReplicatedBackend:
         ver = await self._submit({"op": "ns.create", "key": key + "/", "e": to_wire(e)})
         return replace(e, ver=ver)
 
-    async def symlink(self, key: str, target: bytes, attrs: Attrs) -> FileEntry | ObjectRef:
-        e = FileEntry(attrs, len(target), target=target, at=time.time())
+    async def make_node(self, key: str, attrs: Attrs, body: bytes) -> FileEntry | ObjectRef:
+        e = FileEntry(attrs, len(body), target=body, at=time.time())
         ver = await self._submit({"op": "ns.create", "key": key, "e": to_wire(e)})
         return replace(e, ver=ver)
 
@@ -201,8 +204,7 @@ class ReplicatedBackend:
         await self.txn.submit({
             "op": "ns.rename", "src": src, "dst": dst, "dir": is_dir, "objects": objects,
             "noreplace": noreplace, "at": time.time(),
-            "e": {"mode": d.mode, "uid": d.uid, "gid": d.gid, "mtime": d.mtime_ns}
-            if d is not None else None})
+            "e": attrs_wire(d) if d is not None else None})
         dlf = self.local.by_key.get(dst)
         if dlf is not None and not replaces_dir:
             self.local.remove(dlf)
@@ -213,7 +215,7 @@ class ReplicatedBackend:
     async def _s3_objects(self, src: str, is_dir: bool, attrs_of: AttrsOf
                           ) -> list[list[Any]]:
         """The S3 objects a rename of `src` moves, with their attributes
-        ([key, etag, size, mode, uid, gid, mtime_ns])."""
+        ([key, etag, size, mode, uid, gid, mtime_ns, atime_ns, ctime_ns, rdev])."""
         if not is_dir:
             if not await self._in_s3(src):
                 return []
@@ -222,7 +224,7 @@ class ReplicatedBackend:
                 return []
             a = parse_meta(info.metadata or {}, DEFAULT_FILE_MODE, self.uid, self.gid,
                            info.mtime_ns)
-            return [[src, info.etag, info.size, a.mode, a.uid, a.gid, a.mtime_ns]]
+            return [[src, info.etag, info.size, *_attr_list(a)]]
         out: list[list[Any]] = []
         async for o in self.store.list_recursive(src + "/"):
             # A LIST has no metadata: the entry shows what we know, or defaults (copies
@@ -230,7 +232,7 @@ class ReplicatedBackend:
             a = attrs_of(o.key) or Attrs(
                 DEFAULT_DIR_MODE if o.key.endswith("/") else DEFAULT_FILE_MODE, self.uid,
                 self.gid, o.mtime_ns)
-            out.append([o.key, o.etag, o.size, a.mode, a.uid, a.gid, a.mtime_ns])
+            out.append([o.key, o.etag, o.size, *_attr_list(a)])
         return out
 
     # -- working copies -----------------------------------------------------------------------
@@ -257,7 +259,7 @@ class ReplicatedBackend:
                 holders = await self.txn.replicate(lf.key, cid, lf.size, staged)
             finally:
                 self.stager.done(staged)
-            e = FileEntry(Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns), lf.size, cid,
+            e = FileEntry(lf.attrs, lf.size, cid,
                           tuple(holders), at=time.time())
             cmd = {"op": "ns.commit", "key": lf.key, "e": to_wire(e),
                    "must_exist": self.entry(lf.key) is not None}
@@ -309,15 +311,26 @@ class ReplicatedBackend:
         return await self.flusher.flush(scope)
 
     async def drain(self) -> int:
-        n = await self.flusher.flush(FlushScope.mine())
+        refused: StoreRefused | None = None
+        try:
+            n = await self.flusher.flush(FlushScope.mine())
+        except StoreRefused as e:  # quarantined: the rest still goes up
+            refused, n = e, 0
         if len(self.txn.node.membership.ring) <= 1:
             # The last node: everything is ours (scale to zero).
             n += await self.flusher.flush(FlushScope.everything())
+        if refused is not None:
+            raise refused
         return n
 
     def stats(self) -> Stats:
         files, nbytes, oldest = self.flusher.dirty_summary()
-        return Stats(files, nbytes, oldest, self.flusher.uploaded, self.flusher.failed)
+        return Stats(files, nbytes, oldest, self.flusher.uploaded, self.flusher.failed,
+                     quarantined=self.flusher.quarantine.count)
+
+
+def _attr_list(a: Attrs) -> list[int]:
+    return [a.mode, a.uid, a.gid, a.mtime_ns, a.atime_ns, a.ctime_ns, a.rdev]
 
 
 def applied_changes(state: Any, cmd: dict[str, Any]) -> Applied | None:

@@ -98,7 +98,8 @@ class Streams:
         lf = st.lf
         try:
             meta = make_meta(Attrs(lf.mode, lf.uid, lf.gid, 0))
-            del meta["mtime"]
+            for t in ("mtime", "atime", "ctime"):  # not known before close: LastModified
+                del meta[t]
             st.upload_id = await self.store.start_upload(st.key, meta)
             limiter = trio.CapacityLimiter(self.parallel)
             async with trio.open_nursery() as nursery:

@@ -7,7 +7,9 @@ files go up as parallel multipart uploads. A file written front to back from emp
 streamed (objcache.backend.streaming): its complete parts go up while it is being written,
 and it is due as soon as it is closed.
 The dirty mark is cleared only if the file did not change while it was uploading, so a
-write racing an upload is never lost.
+write racing an upload is never lost. A file S3 refuses for good (objcache.cache.quarantine)
+goes to the quarantine after a few refusals, at once when a flush, umount or drain asks, so
+that these always finish; the flush then fails naming it.
 """
 
 from __future__ import annotations
@@ -20,26 +22,37 @@ import trio
 
 from objcache.backend.streaming import Streams
 from objcache.cache.localfiles import LocalFile, LocalFiles
+from objcache.cache.quarantine import Quarantine
 from objcache.config import MountConfig
-from objcache.entries import Attrs, FlushScope
-from objcache.errors import ObjcacheError, StoreError, first_error
+from objcache.entries import FlushScope
+from objcache.errors import ObjcacheError, StoreError, StoreRefused, first_error
 from objcache.store import ObjectStore
 from objcache.store.meta import make_meta
 
 log = logging.getLogger(__name__)
 
-_RETRY_AFTER_FAILURE = 10.0
+# A failed upload is retried after the write-back delay, but at least 0.5 s and at most
+# 10 s after the failure.
+RETRY_AFTER_FAILURE = 10.0
+
+
+def retry_after(writeback_delay: float) -> float:
+    return min(RETRY_AFTER_FAILURE, max(0.5, writeback_delay))
 
 
 class Writeback:
     def __init__(self, cfg: MountConfig, store: ObjectStore, local: LocalFiles,
-                 on_uploaded: Callable[[LocalFile], None]) -> None:
+                 quarantine: Quarantine, on_uploaded: Callable[[LocalFile], None],
+                 on_quarantined: Callable[[str], None]) -> None:
         self.cfg = cfg
         self.store = store
         self.local = local
+        self.quarantine = quarantine
         self.on_uploaded = on_uploaded
+        self.on_quarantined = on_quarantined  # the key no longer has a dirty file
         self.uploads = trio.CapacityLimiter(4)  # files in flight (parts run in parallel)
         self.streams = Streams(store, local.cs)
+        self.retry_after = retry_after(cfg.writeback_delay)
         self._failed_at: dict[int, float] = {}
         self._running: set[int] = set()
         self.uploaded_files = 0
@@ -48,7 +61,7 @@ class Writeback:
     def _due(self, lf: LocalFile, now: float, pressure: bool) -> bool:
         if not lf.dirty or lf.fid in self._running or lf.removed:
             return False
-        if now - self._failed_at.get(lf.fid, -1e9) < _RETRY_AFTER_FAILURE:
+        if now - self._failed_at.get(lf.fid, -1e9) < self.retry_after:
             return False
         if lf.urgent:
             return True
@@ -96,9 +109,18 @@ class Writeback:
                 await self.local.materialize_all(lf)
                 etag = await self.streams.finish(lf)
                 if etag is None:
-                    meta = make_meta(Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns))
+                    meta = make_meta(lf.attrs)
                     etag = await self.store.put_file(key, lf.path, lf.size, meta,
                                                      self.local.cs)
+            except StoreRefused as e:
+                self.failed_uploads += 1
+                self._failed_at[lf.fid] = time.monotonic()
+                if raise_errors or self.quarantine.refused(key):
+                    await self._quarantine(lf, str(e))
+                    return
+                log.error("S3 refused %r (retried in %.0fs, then quarantined): %s", key,
+                          self.retry_after, e)
+                return
             except ObjcacheError as e:
                 self.failed_uploads += 1
                 self._failed_at[lf.fid] = time.monotonic()
@@ -108,6 +130,7 @@ class Writeback:
                     raise
                 return
             self._failed_at.pop(lf.fid, None)
+            self.quarantine.forgive(key)
             if lf.version == version and not lf.removed and lf.key == key:
                 self.local.mark_clean(lf, etag)
                 self.uploaded_files += 1
@@ -117,15 +140,27 @@ class Writeback:
             else:
                 log.debug("%r changed while uploading; it stays dirty", key)
 
+    async def _quarantine(self, lf: LocalFile, error: str) -> None:
+        """Move a refused file's bytes to the quarantine and forget it (the caller holds
+        its lock): the name shows S3's version again, if there is one."""
+        await self.quarantine.put(lf.key, lf.path, lf.size, error)
+        key = lf.key
+        self.local.remove(lf)
+        self.on_quarantined(key)
+
     async def flush(self, scope: FlushScope, deadline: float | None = None) -> int:
         """Return once nothing dirty is left in `scope` ("mine" is everything: one node
         owns it all); how many files were uploaded. Raises StoreError if an upload
-        fails."""
+        fails, or, once everything else is up, naming what S3 refused and the flush
+        quarantined."""
         done: set[int] = set()
+        seen = len(self.quarantine.recent)
         while True:
             todo = [lf for lf in self.local.dirty_files()
                     if scope.kind == "mine" or scope.covers(lf.key)]
             if not todo:
+                self.quarantine.raise_if_refused(
+                    seen, lambda k: scope.kind == "mine" or scope.covers(k))
                 return len(done)
             done |= {lf.fid for lf in todo}
             if deadline is not None and time.monotonic() > deadline:
@@ -141,4 +176,3 @@ class Writeback:
     async def _flush_one(self, lf: LocalFile) -> None:
         async with self.uploads:
             await self.upload(lf, raise_errors=True)
-

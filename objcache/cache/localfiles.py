@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from objcache.cache.statedb import StateDB
+from objcache.entries import Attrs
 from objcache.errors import NoSpace
 
 if TYPE_CHECKING:
@@ -64,7 +65,8 @@ class LocalFile:
     """
 
     __slots__ = ("fid", "key", "path", "base_key", "base_etag", "base_size", "base_limit",
-                 "materialized", "size", "mode", "uid", "gid", "mtime_ns", "dirty",
+                 "materialized", "size", "mode", "uid", "gid", "mtime_ns", "atime_ns",
+                 "ctime_ns", "dirty",
                  "dirty_since", "etag", "version", "writers", "opens", "lock", "fd",
                  "last_change", "removed", "charged", "urgent", "shared", "unsharing",
                  "sealed", "seal_broken")
@@ -83,6 +85,8 @@ class LocalFile:
         self.uid = 0
         self.gid = 0
         self.mtime_ns = 0
+        self.atime_ns = 0
+        self.ctime_ns = 0
         self.dirty = False
         self.dirty_since: float | None = None
         self.etag: str | None = None
@@ -99,6 +103,19 @@ class LocalFile:
         self.unsharing: trio.Event | None = None  # set when a copy under way is done
         self.sealed = 0
         self.seal_broken = False
+
+    @property
+    def attrs(self) -> Attrs:
+        return Attrs(self.mode, self.uid, self.gid, self.mtime_ns, self.atime_ns,
+                     self.ctime_ns)
+
+    def set_attrs(self, a: Attrs) -> None:
+        self.mode, self.uid, self.gid = a.mode, a.uid, a.gid
+        self.mtime_ns, self.atime_ns, self.ctime_ns = a.mtime_ns, a.atime_ns, a.ctime_ns
+
+    def modified(self) -> None:
+        """The content changed now: mtime and ctime move (POSIX)."""
+        self.mtime_ns = self.ctime_ns = time.time_ns()
 
 
 class LocalFiles:
@@ -129,10 +146,11 @@ class LocalFiles:
     def _load(self) -> None:
         rows = self.db.execute(
             "SELECT fid, key, base_key, base_etag, base_size, base_limit, materialized, size, "
-            "mode, uid, gid, mtime_ns, dirty, dirty_since, etag FROM files").fetchall()
+            "mode, uid, gid, mtime_ns, atime_ns, ctime_ns, dirty, dirty_since, etag "
+            "FROM files").fetchall()
         known = set()
-        for (fid, key, bkey, betag, bsize, blimit, mat, _size, mode, uid, gid, mtime_ns, dirty,
-             dirty_since, etag) in rows:
+        for (fid, key, bkey, betag, bsize, blimit, mat, _size, mode, uid, gid, mtime_ns,
+             atime_ns, ctime_ns, dirty, dirty_since, etag) in rows:
             lf = LocalFile(fid, key, str(self.root / str(fid)))
             try:
                 # The data file is the truth for the size: writes after the last journal
@@ -145,7 +163,7 @@ class LocalFiles:
                 continue
             lf.base_key, lf.base_etag, lf.base_size, lf.base_limit = bkey, betag, bsize, blimit
             lf.materialized = _unpack(mat)
-            lf.mode, lf.uid, lf.gid, lf.mtime_ns = mode, uid, gid, mtime_ns
+            lf.set_attrs(Attrs(mode, uid, gid, mtime_ns, atime_ns, ctime_ns))
             lf.dirty, lf.dirty_since, lf.etag = bool(dirty), dirty_since, etag
             lf.version = 1 if dirty else 0
             lf.charged = lf.size
@@ -164,24 +182,25 @@ class LocalFiles:
     def _save(self, lf: LocalFile) -> None:
         self.db.execute(
             "UPDATE files SET key=?, base_key=?, base_etag=?, base_size=?, base_limit=?, "
-            "materialized=?, size=?, mode=?, uid=?, gid=?, mtime_ns=?, dirty=?, dirty_since=?, "
-            "etag=? WHERE fid=?",
+            "materialized=?, size=?, mode=?, uid=?, gid=?, mtime_ns=?, atime_ns=?, ctime_ns=?, "
+            "dirty=?, dirty_since=?, etag=? WHERE fid=?",
             (lf.key, lf.base_key, lf.base_etag, lf.base_size, lf.base_limit,
              _pack(lf.materialized), lf.size, lf.mode, lf.uid, lf.gid, lf.mtime_ns,
-             int(lf.dirty), lf.dirty_since, lf.etag, lf.fid))
+             lf.atime_ns, lf.ctime_ns, int(lf.dirty), lf.dirty_since, lf.etag, lf.fid))
 
-    def create(self, key: str, mode: int, uid: int, gid: int, mtime_ns: int,
-               base: tuple[str, str, int] | None = None, etag: str | None = None) -> LocalFile:
-        """A new local file: empty, or standing in for the S3 version `base` (key, etag,
-        size) without copying its bytes yet."""
+    def create(self, key: str, a: Attrs, base: tuple[str, str, int] | None = None,
+               etag: str | None = None) -> LocalFile:
+        """A new local file with attributes `a`: empty, or standing in for the S3 version
+        `base` (key, etag, size) without copying its bytes yet."""
         cur = self.db.execute(
             "INSERT INTO files (key, base_key, base_etag, base_size, base_limit, materialized, "
-            "size, mode, uid, gid, mtime_ns, dirty, dirty_since, etag) "
-            "VALUES (?, NULL, NULL, 0, 0, x'', 0, ?, ?, ?, ?, 0, NULL, ?)",
-            (key, mode, uid, gid, mtime_ns, etag))
+            "size, mode, uid, gid, mtime_ns, atime_ns, ctime_ns, dirty, dirty_since, etag) "
+            "VALUES (?, NULL, NULL, 0, 0, x'', 0, ?, ?, ?, ?, ?, ?, 0, NULL, ?)",
+            (key, a.mode, a.uid, a.gid, a.mtime_ns, a.atime_ns, a.ctime_ns, etag))
         fid = int(cur.lastrowid or 0)
         lf = LocalFile(fid, key, str(self.root / str(fid)))
-        lf.mode, lf.uid, lf.gid, lf.mtime_ns, lf.etag = mode, uid, gid, mtime_ns, etag
+        lf.set_attrs(a)
+        lf.etag = etag
         fd = os.open(lf.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         if base is not None:
             lf.base_key, lf.base_etag, lf.base_size = base
@@ -315,7 +334,9 @@ class LocalFiles:
         if lf.base_limit:
             for idx in range(offset // self.cs, (min(end, lf.base_limit) - 1) // self.cs + 1):
                 await self._materialize(lf, idx)
-        await self._charge(lf, max(end, lf.size))
+        # A write adds at most its own length: one into a hole left by a truncate that
+        # grew the file charges what it fills, not the whole hole.
+        await self._charge(lf, min(max(end, lf.size), lf.charged + len(data)))
         n = os.pwrite(self._fd(lf), data, offset)
         if offset < lf.sealed:
             lf.seal_broken = True
@@ -323,7 +344,7 @@ class LocalFiles:
             if end // self.cs != lf.size // self.cs:
                 self.changed.set()  # a chunk is complete: streaming write-back may send it
             lf.size = end
-        lf.mtime_ns = time.time_ns()
+        lf.modified()
         self.mark_dirty(lf)
         return n
 
@@ -333,12 +354,13 @@ class LocalFiles:
             if size % self.cs:
                 await self._materialize(lf, size // self.cs)
             lf.base_limit = size
-        await self._charge(lf, size)
+        # Growing makes a hole (sparse in the data file): it needs no cache space until
+        # written, so a preallocating truncate of a file larger than the cache works.
         os.ftruncate(self._fd(lf), size)
         if size < lf.sealed:
             lf.seal_broken = True
         lf.size = size
-        lf.mtime_ns = time.time_ns()
+        lf.modified()
         self.mark_dirty(lf)
         self._save(lf)
 

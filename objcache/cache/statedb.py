@@ -43,6 +43,8 @@ CREATE TABLE IF NOT EXISTS files (
     uid INTEGER NOT NULL,
     gid INTEGER NOT NULL,
     mtime_ns INTEGER NOT NULL,
+    atime_ns INTEGER NOT NULL DEFAULT 0,  -- 0: not known, shown as mtime
+    ctime_ns INTEGER NOT NULL DEFAULT 0,
     dirty INTEGER NOT NULL,        -- 1 while the S3 object is not this file's content
     dirty_since REAL,              -- wall-clock time of the first unuploaded change
     etag TEXT                      -- the S3 ETag when clean
@@ -61,6 +63,11 @@ class StateDB:
             self.conn.execute("ALTER TABLE chunks ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
         if "sums" not in cols:  # from before checksums: such chunks are fetched again
             self.conn.execute("ALTER TABLE chunks ADD COLUMN sums BLOB")
+        cols = {row[1] for row in self.conn.execute("PRAGMA table_info(files)")}
+        for col in ("atime_ns", "ctime_ns"):  # from before atime and ctime were kept
+            if col not in cols:
+                self.conn.execute(f"ALTER TABLE files ADD COLUMN {col} INTEGER NOT NULL "
+                                  "DEFAULT 0")
         row = self.conn.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
         if row is None:
             self.conn.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))

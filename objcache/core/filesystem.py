@@ -21,6 +21,7 @@ import stat
 import time
 from collections.abc import Iterable
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -69,6 +70,10 @@ NAME_MAX = 255  # what statfs reports as f_namemax
 MAX_OBJECT = 5 << 40  # S3's limit on an object
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+# What a non-directory may be: the kernel opens FIFOs, sockets and devices itself (FUSE only
+# creates, stats, re-attributes, renames and removes them).
+SPECIAL_TYPES = (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)
+FILE_TYPES = (stat.S_IFREG, stat.S_IFLNK, *SPECIAL_TYPES)
 
 RELIST_AFTER_STALE_LOOKUPS = 16
 # Directories the kernel forgot keep their listings while fewer inodes than this are known
@@ -151,10 +156,15 @@ def _valid_listed(name: str) -> bool:
 
 
 def _new_attrs(cur: Attrs, mode: int | None, uid: int | None, gid: int | None,
-               mtime_ns: int | None) -> Attrs:
+               mtime_ns: int | None, atime_ns: int | None = None) -> Attrs:
+    """`cur` with what a setattr gives; any change moves ctime (POSIX: chmod, chown and
+    utimensat do, even to the same values)."""
+    if mode is None and uid is None and gid is None and mtime_ns is None and atime_ns is None:
+        return cur
     return Attrs(cur.mode if mode is None else stat.S_IFMT(cur.mode) | (mode & 0o7777),
                  cur.uid if uid is None else uid, cur.gid if gid is None else gid,
-                 cur.mtime_ns if mtime_ns is None else mtime_ns)
+                 cur.mtime_ns if mtime_ns is None else mtime_ns,
+                 cur.atime_ns if atime_ns is None else atime_ns, time.time_ns(), cur.rdev)
 
 
 class Filesystem:
@@ -187,6 +197,7 @@ class Filesystem:
         self._list_inflight: dict[int, trio.Event] = {}
         self._background: trio.Nursery | None = None
         self._meta_prefetching: dict[int, _MetaPrefetch] = {}  # by directory inode
+        self._making: dict[str, trio.Event] = {}  # working copies being made, by key
         root = Inode(ROOT_INO, "", DEFAULT_DIR_MODE, self.uid, self.gid)
         root.mtime_ns = time.time_ns()
         root.lookups = 1
@@ -303,7 +314,7 @@ class Filesystem:
     def _add_child(self, parent: Inode, name: str, inode: Inode) -> None:
         if parent.children is not None:
             parent.children[name] = inode.ino
-        parent.mtime_ns = time.time_ns()
+        parent.changed()
 
     # -- attributes -----------------------------------------------------------------------
 
@@ -325,13 +336,13 @@ class Filesystem:
         if lf is not None:
             timeout = 0.0 if inode.detached else self.ttl
             return Attr(inode.ino, lf.mode, lf.size, lf.uid, lf.gid, lf.mtime_ns, timeout,
-                        nlink)
+                        nlink, lf.atime_ns, lf.ctime_ns)
         # Entries whose metadata only came from a LIST get no kernel caching, so that the
         # next stat asks us and we HEAD the object (its mode may even say symlink).
         timeout = (self.ttl if (inode.meta_loaded or inode.is_dir) and not inode.detached
                    else 0.0)
         return Attr(inode.ino, inode.mode, inode.size, inode.uid, inode.gid, inode.mtime_ns,
-                    timeout, nlink)
+                    timeout, nlink, inode.atime_ns, inode.ctime_ns, inode.rdev)
 
     def _dir_links(self, d: Inode) -> int:
         """2 + the subdirectories we know of (as far as the directory was listed)."""
@@ -398,8 +409,8 @@ class Filesystem:
         if info.metadata is not None:
             a = parse_meta(info.metadata, DEFAULT_FILE_MODE, self.uid, self.gid,
                            info.mtime_ns)
-            if stat.S_IFMT(a.mode) not in (stat.S_IFREG, stat.S_IFLNK):
-                a = Attrs(DEFAULT_FILE_MODE | (a.mode & 0o7777), a.uid, a.gid, a.mtime_ns)
+            if stat.S_IFMT(a.mode) not in FILE_TYPES:
+                a = replace(a, mode=DEFAULT_FILE_MODE | (a.mode & 0o7777), rdev=0)
             if stat.S_IFMT(a.mode) != stat.S_IFMT(inode.mode):
                 new = self._new_inode(inode.key, a.mode)
                 self._replace_child(new)
@@ -407,7 +418,7 @@ class Filesystem:
             inode.set_attrs(a)
             inode.meta_loaded = True
         elif not inode.meta_loaded:
-            inode.mtime_ns = info.mtime_ns
+            inode.mtime_ns = inode.atime_ns = inode.ctime_ns = info.mtime_ns
         inode.size = info.size
         inode.etag = info.etag
         inode.in_s3 = True
@@ -779,7 +790,8 @@ class Filesystem:
     async def mkdir(self, parent_ino: int, name: bytes | str, mode: int, uid: int,
                     gid: int) -> Attr:
         parent, name, key = await self._free_name(parent_ino, name)
-        attrs = Attrs(stat.S_IFDIR | (mode & 0o7777), uid, gid, time.time_ns())
+        now = time.time_ns()
+        attrs = Attrs(stat.S_IFDIR | (mode & 0o7777), uid, gid, now, now, now)
         e = await self.backend.mkdir(key, attrs)
         inode = self._inode_for(key, e, True)
         inode.set_attrs(attrs)
@@ -805,7 +817,7 @@ class Filesystem:
         parent, inode = await self._empty_dir(parent_ino, name)
         await self.backend.rmdir(inode.key, inode.in_s3)
         self._forget_child(inode)
-        parent.mtime_ns = time.time_ns()
+        parent.changed()
 
     # -- files ----------------------------------------------------------------------------
 
@@ -840,17 +852,30 @@ class Filesystem:
     async def _working_copy(self, inode: Inode, empty: bool = False) -> LocalFile:
         """The working copy of `inode` on this node, made if needed from its current
         content (none of it if `empty`): S3 versions lazily (chunks are copied as they
-        are written), a blob whole."""
+        are written), a blob whole. Concurrent callers (the kernel sends the pages of a
+        shared mmap as parallel writes) wait for the one copy being made: a write into a
+        copy still being filled would be overwritten by the fill."""
+        key = inode.key
+        while (making := self._making.get(key)) is not None:
+            await making.wait()
         lf = self._working_copy_of(inode)
         if lf is not None:
             return lf
+        self._making[key] = done = trio.Event()
+        try:
+            return await self._new_working_copy(inode, empty)
+        finally:
+            del self._making[key]
+            done.set()
+
+    async def _new_working_copy(self, inode: Inode, empty: bool) -> LocalFile:
         e = inode.overlay
         if isinstance(e, FileEntry):
             a = e.attrs
             if e.base and not empty:
-                return self.local.create(inode.key, a.mode, a.uid, a.gid, a.mtime_ns,
+                return self.local.create(inode.key, a,
                                          base=(e.base.key, e.base.etag, e.base.size))
-            lf = self.local.create(inode.key, a.mode, a.uid, a.gid, a.mtime_ns)
+            lf = self.local.create(inode.key, a)
             if e.cid and e.size and not empty:
                 entry = e
 
@@ -862,8 +887,8 @@ class Filesystem:
         base = None
         if inode.in_s3 and inode.size > 0 and inode.etag and not empty:
             base = (inode.key, inode.etag, inode.size)
-        return self.local.create(inode.key, inode.mode, inode.uid, inode.gid, inode.mtime_ns,
-                                 base=base, etag=inode.etag if inode.in_s3 else None)
+        return self.local.create(inode.key, inode.attrs, base=base,
+                                 etag=inode.etag if inode.in_s3 else None)
 
     async def open(self, ino: int, flags: int) -> tuple[int, bool]:
         """Returns (file handle, whether the kernel may keep its cached pages)."""
@@ -908,12 +933,13 @@ class Filesystem:
         parent = self._dir(parent_ino)
         name = _name(name)
         key = self._key(parent, name)
-        attrs = Attrs(stat.S_IFREG | (mode & 0o7777), uid, gid, time.time_ns())
+        now = time.time_ns()
+        attrs = Attrs(stat.S_IFREG | (mode & 0o7777), uid, gid, now, now, now)
         e = await self.backend.create(key, attrs, excl=bool(flags & os.O_EXCL))
         old = self.local.by_key.get(key)
         if old is not None:
             self.local.remove(old)
-        lf = self.local.create(key, attrs.mode, uid, gid, attrs.mtime_ns)
+        lf = self.local.create(key, attrs)
         if e is None:
             self.local.mark_dirty(lf)  # the working copy is the only record: it must upload
         inode = self._inode_for(key, e, False)
@@ -962,7 +988,7 @@ class Filesystem:
         if isinstance(got, FileEntry):
             self._show_own(h.inode, got)
         elif isinstance(got, ObjectRef) and not h.inode.detached:
-            self._stored_in_s3(h.inode, got, Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns))
+            self._stored_in_s3(h.inode, got, lf.attrs)
 
     async def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)
@@ -986,7 +1012,8 @@ class Filesystem:
 
     async def setattr(self, ino: int, size: int | None = None, mode: int | None = None,
                       uid: int | None = None, gid: int | None = None,
-                      mtime_ns: int | None = None, fh: int | None = None) -> Attr:
+                      mtime_ns: int | None = None, fh: int | None = None,
+                      atime_ns: int | None = None) -> Attr:
         if ino == CTRL_INO:
             return self.ctrl_attr()
         self._writable()
@@ -994,7 +1021,7 @@ class Filesystem:
         if inode.is_dir:
             if size is not None:
                 raise IsADirectory(inode.key)
-            new = _new_attrs(inode.attrs, mode, uid, gid, mtime_ns)
+            new = _new_attrs(inode.attrs, mode, uid, gid, mtime_ns, atime_ns)
             if new != inode.attrs:
                 e = await self.backend.set_dir_attrs(inode.key, new) if inode.key else None
                 if e is not None:
@@ -1016,11 +1043,10 @@ class Filesystem:
             self._fits(inode, size)
             await self.local.truncate(lf, size)  # mtime = now (POSIX: a size change)
         if lf is not None:
-            cur = Attrs(lf.mode, lf.uid, lf.gid, lf.mtime_ns)
-            new = _new_attrs(cur, mode, uid, gid, mtime_ns)
+            cur = lf.attrs
+            new = _new_attrs(cur, mode, uid, gid, mtime_ns, atime_ns)
             if new != cur:
-                lf.mode, lf.uid, lf.gid, lf.mtime_ns = new.mode, new.uid, new.gid, \
-                    new.mtime_ns
+                lf.set_attrs(new)
                 ref = await self.backend.working_attrs_changed(lf)
                 if ref is not None and not inode.detached:
                     if inode.etag and ref.etag != inode.etag:
@@ -1034,7 +1060,7 @@ class Filesystem:
                         self._show_own(inode, e)
                 self.backend.released(lf)
             return self.attr(inode)
-        new = _new_attrs(inode.attrs, mode, uid, gid, mtime_ns)
+        new = _new_attrs(inode.attrs, mode, uid, gid, mtime_ns, atime_ns)
         if new == inode.attrs:
             return self.attr(inode)
         current = inode.overlay
@@ -1068,18 +1094,44 @@ class Filesystem:
                 self.local.remove(lf)  # its data stays while a handle has it open
         self.router.drop_object(key)
         self._forget_child(inode)
-        parent.mtime_ns = time.time_ns()
+        parent.changed()
 
     async def symlink(self, parent_ino: int, name: bytes | str, target: bytes, uid: int,
                       gid: int) -> Attr:
+        now = time.time_ns()
+        return await self._make_node(parent_ino, name, Attrs(SYMLINK_MODE, uid, gid, now,
+                                                             now, now), bytes(target))
+
+    async def mknod(self, parent_ino: int, name: bytes | str, mode: int, rdev: int,
+                    uid: int, gid: int) -> Attr:
+        """A FIFO, socket or device: an empty object whose mode says its type (s3fs-fuse's
+        convention); a regular file: an empty file."""
+        kind = stat.S_IFMT(mode) or stat.S_IFREG
+        if kind == stat.S_IFREG:
+            fh, attr = await self.create(parent_ino, name, mode & 0o7777,
+                                         os.O_WRONLY | os.O_EXCL, uid, gid)
+            try:
+                await self.flush(fh)
+            finally:
+                await self.release(fh)
+            return attr
+        if kind not in SPECIAL_TYPES:
+            raise Invalid(f"mknod of file type {kind:o}")
+        now = time.time_ns()
+        dev = rdev if kind in (stat.S_IFCHR, stat.S_IFBLK) else 0
+        return await self._make_node(parent_ino, name, Attrs(
+            kind | (mode & 0o7777), uid, gid, now, now, now, dev), b"")
+
+    async def _make_node(self, parent_ino: int, name: bytes | str, attrs: Attrs,
+                         body: bytes) -> Attr:
+        """A symlink (`body` is its target) or a special file (no body)."""
         parent, name, key = await self._free_name(parent_ino, name)
-        attrs = Attrs(SYMLINK_MODE, uid, gid, time.time_ns())
-        got = await self.backend.symlink(key, bytes(target), attrs)
+        got = await self.backend.make_node(key, attrs, body)
         inode = self._inode_for(key, got if isinstance(got, FileEntry) else None, False)
         if isinstance(got, ObjectRef):
             self._stored_in_s3(inode, got, attrs)
-        inode.target = bytes(target)
-        inode.size = len(target)
+        inode.target = body if stat.S_ISLNK(attrs.mode) else None
+        inode.size = len(body)
         inode.lookups += 1
         self._add_child(parent, name, inode)
         return self.attr(inode)
@@ -1142,11 +1194,19 @@ class Filesystem:
             return
         op, np, old_name, src, new_name, dst, new_key = plan
         old_key = src.key
+        # A rename changes what was renamed (its ctime), not what is below it.
+        now = time.time_ns()
+        renamed = src.attrs.changed_at(now)
+
+        def attrs_of(key: str) -> Attrs | None:
+            if key == old_key and src.meta_loaded:
+                return renamed
+            return self._attrs_of(key)
+
         try:
             moved = await self.backend.rename(
                 old_key, new_key, src.is_dir, dst is not None and dst.is_dir,
-                bool(flags & RENAME_NOREPLACE), src.attrs if src.is_dir else None,
-                self._attrs_of)
+                bool(flags & RENAME_NOREPLACE), renamed if src.is_dir else None, attrs_of)
         except ObjcacheError:
             # Part of a tree may have moved (one node moves object by object): ask S3
             # again about both places rather than show what we knew before.
@@ -1162,11 +1222,15 @@ class Filesystem:
         if op.children is not None:
             op.children.pop(old_name, None)
         self._rekey_inodes(old_key, new_key)
+        src.ctime_ns = now
+        lf = self.local.by_key.get(new_key)
+        if lf is not None:
+            lf.ctime_ns = now
         self._add_child(np, new_name, src)
         e = self.backend.entry(new_key + "/" if src.is_dir else new_key)
         if e is not None:
             self._show(src, e)
-        op.mtime_ns = np.mtime_ns
+        op.mtime_ns, op.ctime_ns = np.mtime_ns, np.ctime_ns
 
     def _moved_objects(self, moved: list[Moved]) -> None:
         """S3 objects a rename copied: their cached chunks and inodes follow."""
@@ -1243,7 +1307,7 @@ class Filesystem:
             self.notify.entry(pino, name)
             parent = self.inodes.get(pino)
             if parent is not None:
-                parent.mtime_ns = time.time_ns()
+                parent.changed()
 
     def _add_listed(self, key: str, e: FileEntry | DirEntry, is_dir: bool) -> None:
         """Put a new entry into its parent's listing, if we have that listing."""

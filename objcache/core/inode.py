@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import stat
+import time
 from dataclasses import dataclass
 
 from objcache.entries import Attrs, DirEntry, FileEntry
@@ -27,6 +28,9 @@ class Attr:
     mtime_ns: int
     cache_timeout: float
     nlink: int = 1
+    atime_ns: int = 0  # 0: as mtime
+    ctime_ns: int = 0
+    rdev: int = 0
 
 
 class Inode:
@@ -44,7 +48,8 @@ class Inode:
         whether the kernel may keep its page cache.
     """
 
-    __slots__ = ("ino", "key", "mode", "size", "uid", "gid", "mtime_ns", "etag",
+    __slots__ = ("ino", "key", "mode", "size", "uid", "gid", "mtime_ns", "atime_ns",
+                 "ctime_ns", "rdev", "etag",
                  "meta_loaded", "checked", "lookups", "children", "listed", "target",
                  "in_s3", "content_gen", "kernel_gen", "created", "stale_lookups", "overlay",
                  "meta_misses", "read_children")
@@ -57,6 +62,9 @@ class Inode:
         self.uid = uid
         self.gid = gid
         self.mtime_ns = 0
+        self.atime_ns = 0
+        self.ctime_ns = 0
+        self.rdev = 0
         self.etag: str | None = None
         self.meta_loaded = False
         self.checked = 0.0
@@ -88,10 +96,16 @@ class Inode:
 
     @property
     def attrs(self) -> Attrs:
-        return Attrs(self.mode, self.uid, self.gid, self.mtime_ns)
+        return Attrs(self.mode, self.uid, self.gid, self.mtime_ns, self.atime_ns,
+                     self.ctime_ns, self.rdev)
 
     def set_attrs(self, a: Attrs) -> None:
         self.mode, self.uid, self.gid, self.mtime_ns = a.mode, a.uid, a.gid, a.mtime_ns
+        self.atime_ns, self.ctime_ns, self.rdev = a.atime_ns, a.ctime_ns, a.rdev
+
+    def changed(self) -> None:
+        """A directory's entries changed now: mtime and ctime move."""
+        self.mtime_ns = self.ctime_ns = time.time_ns()
 
 
 def parent_key(key: str) -> str:

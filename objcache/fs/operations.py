@@ -72,13 +72,13 @@ def entry(a: Attr) -> pyfuse3.EntryAttributes:
     e.st_nlink = a.nlink
     e.st_uid = a.uid
     e.st_gid = a.gid
-    e.st_rdev = 0
+    e.st_rdev = a.rdev
     e.st_size = a.size
     e.st_blksize = BLKSIZE
     e.st_blocks = (a.size + 511) // 512
-    e.st_atime_ns = a.mtime_ns
+    e.st_atime_ns = a.atime_ns or a.mtime_ns
     e.st_mtime_ns = a.mtime_ns
-    e.st_ctime_ns = a.mtime_ns
+    e.st_ctime_ns = a.ctime_ns or a.mtime_ns
     return e
 
 
@@ -118,7 +118,8 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
             uid=attr.st_uid if fields.update_uid else None,
             gid=attr.st_gid if fields.update_gid else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
-            fh=fh)
+            fh=fh,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None)
         return entry(a)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -165,6 +166,11 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
     @fuse_op
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         await self.fs.unlink(parent_inode, name)
+
+    @fuse_op
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: Any) -> Any:
+        return entry(await self.fs.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
 
     @fuse_op
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any) -> Any:
@@ -300,7 +306,9 @@ class KernelNotifier:
 
 def mount_options(allow_other: bool) -> set[str]:
     opts = set(pyfuse3.default_options)  # includes default_permissions
-    opts |= {"fsname=objcache", "subtype=objcache", "noatime"}
+    # nodev/nosuid: device nodes and set-id bits stored in a bucket are shown, never honoured
+    # (fusermount3 adds both for unprivileged users; root's mounts need them said).
+    opts |= {"fsname=objcache", "subtype=objcache", "noatime", "nodev", "nosuid"}
     # --read-only is enforced by the daemon (EROFS on every change), not by a kernel "ro"
     # mount, because the control file must stay writable for `objcache status/umount`.
     if allow_other:

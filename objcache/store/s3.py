@@ -26,6 +26,7 @@ from objcache.errors import (
     NotFound,
     StaleObject,
     StoreError,
+    StoreRefused,
     StoreUnavailable,
     UserError,
     first_error,
@@ -166,7 +167,7 @@ class S3Store:
                 if not _is_transient(e):
                     self.stats.errors[op] += 1
                     log.error("S3 %s of %r failed: %s (%s)", op, key, code or status, e)
-                    raise StoreError(f"S3 {op} of {key!r} failed: {code or status}") from None
+                    raise StoreRefused(f"S3 {op} of {key!r} failed: {code or status}") from None
                 err: BaseException = e
             except _TRANSIENT_EXC as e:
                 err = e

@@ -13,6 +13,10 @@ entry once the write-back delay has passed, or at once when asked (flush, drain)
 Then `ns.clean` commits that the entry is in S3, and it only succeeds if the entry is still
 the version uploaded, so a write racing an upload stays dirty. Owners that disagree during a
 membership change may both upload: the content is the same, and one clean wins.
+An entry S3 refuses for good (objcache.cache.quarantine) is quarantined after a few
+refusals (at the first when a flush or drain asks): its bytes go to this node's
+lost+found/, and a commit drops the entry, so the key shows S3's version again on every
+node. Nothing else is ever dropped.
 """
 
 from __future__ import annotations
@@ -24,24 +28,28 @@ from typing import TYPE_CHECKING
 import trio
 
 from objcache.entries import DirEntry, Entry, FileEntry, FlushScope, Tombstone
-from objcache.errors import ObjcacheError, StaleObject, StoreError
+from objcache.errors import ObjcacheError, StaleObject, StoreError, StoreRefused
 from objcache.store.meta import make_meta
 
 if TYPE_CHECKING:
     from objcache.cache.chunks import ChunkCache
+    from objcache.cache.quarantine import Quarantine
     from objcache.store import ObjectStore
     from objcache.txn.coordinator import TxnClient
     from objcache.txn.dirtystore import DirtyStore
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_FAILURE = 5.0
+RETRY_AFTER_FAILURE = 5.0  # at most; sooner with a shorter write-back delay
 GC_EVERY = 2.0
 
 
 class ClusterFlusher:
     def __init__(self, store: ObjectStore, txn: TxnClient, dirty: DirtyStore,
-                 chunk_size: int, delay: float, space: ChunkCache) -> None:
+                 chunk_size: int, delay: float, space: ChunkCache,
+                 quarantine: Quarantine) -> None:
+        self.quarantine = quarantine
+        self.retry_after = min(RETRY_AFTER_FAILURE, max(0.5, delay))
         self.store = store
         self.txn = txn
         self.dirty = dirty
@@ -67,7 +75,7 @@ class ClusterFlusher:
             return st.ns.referenced(key)
 
     def _due(self, key: str, e: Entry, now: float, mine: bool) -> bool:
-        if key in self._running or now - self._failed.get(key, -1e9) < RETRY_AFTER_FAILURE:
+        if key in self._running or now - self._failed.get(key, -1e9) < self.retry_after:
             return False
         urgent = self._urgent is None or key in self._urgent
         if (self.space.crowded and isinstance(e, FileEntry) and e.cid is not None
@@ -106,17 +114,55 @@ class ClusterFlusher:
         try:
             async with self.uploads:
                 await self.upload(key, e)
+            self.quarantine.forgive(key)
+        except StoreRefused as ex:
+            self.failed += 1
+            self._failed[key] = time.monotonic()
+            urgent = self._urgent is None or key in self._urgent
+            if self.quarantine.refused(key) or urgent:
+                await self._quarantine(key, e, str(ex))
+            else:
+                log.error("S3 refused %r (retried in %.0fs, then quarantined): %s", key,
+                          self.retry_after, ex)
         except ObjcacheError as ex:
             self.failed += 1
             self._failed[key] = time.monotonic()
             log.warning("write-back of %r failed (it stays dirty, retried in %.0fs): %s",
-                        key, RETRY_AFTER_FAILURE, ex)
+                        key, self.retry_after, ex)
         except Exception:
             self.failed += 1
             self._failed[key] = time.monotonic()
             log.exception("unexpected error writing back %r", key)
         finally:
             self._running.discard(key)
+
+    async def _quarantine(self, key: str, e: Entry, error: str) -> None:
+        """Keep the refused entry's bytes here, then drop the entry (if it is still the
+        version that was refused)."""
+        q = self.quarantine
+        if isinstance(e, FileEntry) and e.cid:
+            if not self.dirty.has(e.cid):
+                await self.txn.pull(e.cid, e.size, list(e.holders))
+            await q.put(key, str(self.dirty.path(e.cid)), e.size, error)
+        elif isinstance(e, FileEntry) and e.base:
+            # A renamed S3 object whose copy is refused: its bytes, before the tombstone
+            # of its old key may delete them.
+            base = e.base
+
+            async def piece(off: int, n: int) -> bytes:
+                return await self.store.get_range(base.key, base.etag, off, n)
+
+            await q.put_pieces(key, base.size, error, piece)
+        elif isinstance(e, FileEntry) and e.target is not None:
+            body = e.target
+
+            async def whole(off: int, n: int) -> bytes:
+                return body[off:off + n]
+
+            await q.put_pieces(key, len(body), error, whole)
+        else:
+            await q.put(key, None, 0, error)  # a marker, a delete: no bytes
+        await self.txn.submit({"op": "ns.clean", "key": key, "ver": e.ver, "etag": None})
 
     async def upload(self, key: str, e: Entry) -> None:
         """Bring S3 in line with entry `e` of `key`, then commit that it is clean."""
@@ -161,10 +207,13 @@ class ClusterFlusher:
         StoreError past the deadline."""
         flushed = 0
         added: set[str] = set()
+        seen = len(self.quarantine.recent)
         try:
             while True:
                 todo = [(k, e) for k, e in self._snapshot() if self._wanted(k, e, scope)]
                 if not todo:
+                    self.quarantine.raise_if_refused(
+                    seen, lambda k: scope.kind == "mine" or scope.covers(k))
                     return flushed
                 flushed = max(flushed, len(todo))
                 await self._push(todo, deadline, added)

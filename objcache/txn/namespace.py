@@ -45,9 +45,15 @@ from objcache.errors import Exists, Gone, IsADirectory, NotADirectory, NotEmpty,
 
 MAX_RENAME_OBJECTS = 100_000  # a directory rename is one log entry; bounded
 
-# One S3 object a directory rename moves, as the coordinator listed it:
-# [key, etag, size, mode, uid, gid, mtime_ns]
-S3Object = tuple[str, str, int, int, int, int, int]
+# One S3 object a rename moves, as the coordinator listed it:
+# [key, etag, size, mode, uid, gid, mtime_ns(, atime_ns, ctime_ns, rdev)]
+S3Object = tuple[str, str, int, Attrs]
+
+
+def _s3_object(o: list[Any]) -> S3Object:
+    times = [int(x) for x in o[7:10]] + [0] * (10 - max(len(o), 7))
+    return (str(o[0]), str(o[1]), int(o[2]),
+            Attrs(int(o[3]), int(o[4]), int(o[5]), int(o[6]), *times))
 
 
 class Namespace:
@@ -212,8 +218,7 @@ class Namespace:
             raise TypeError(f"objects must be a list of at most {MAX_RENAME_OBJECTS} entries")
         at = float(cmd.get("at", 0))
         # Everything is parsed before anything changes: a malformed command changes nothing.
-        objects: list[S3Object] = [(str(o[0]), str(o[1]), int(o[2]), int(o[3]), int(o[4]),
-                                    int(o[5]), int(o[6])) for o in raw]
+        objects = [_s3_object(o) for o in raw]
         dir_attrs = replace(dir_from_wire(cmd["e"]), at=at) if is_dir else None
         if is_dir:
             sp, dp = src + "/", dst + "/"
@@ -243,12 +248,14 @@ class Namespace:
                 continue  # an already deleted object stays deleted (and out of the move)
             if e is None:
                 o = s3[old]
-                attrs = Attrs(o[3], o[4], o[5], o[6])
+                attrs = o[3]
                 e = (DirEntry(attrs, at) if old.endswith("/") else
                      FileEntry(attrs, o[2], base=ObjectRef(old, o[1], o[2]), at=at))
             else:
                 self._del(old, moved=True)
                 e = replace(e, at=at)
+            if old in (src, src + "/"):  # what was renamed (not its contents): new ctime
+                e = replace(e, attrs=e.attrs.changed_at(int(at * 1e9)))
             self._set(new, e, ver)
             if old in s3:
                 self._tomb(old, ver)

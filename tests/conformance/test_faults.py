@@ -8,16 +8,20 @@ calls, or returns a short body (a store breaking its contract)."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import time
+from contextlib import AsyncExitStack
+from pathlib import Path
 
 import pytest
 import trio
 
 from objcache.entries import FlushScope
-from objcache.errors import ObjcacheError
+from objcache.errors import ObjcacheError, StoreError
 from tests.conformance.conftest import Env
-from tests.helpers.inproc import MiB
+from tests.helpers.inproc import FaultyStore, MiB, Posix, cluster, config, node
+from tests.helpers.memstore import MemoryStore
 
 
 async def _flush_until_done(env: Env, attempts: int = 3) -> None:
@@ -128,3 +132,59 @@ async def test_a_stalled_read_blocks_nothing_else(env: Env) -> None:
         assert await env.a.read("new") == b"n"
         assert time.monotonic() - t0 < 1.5  # none of it waited for the stalled GET
     assert done and done[0] - t0 >= 2.0
+
+
+async def test_a_key_s3_refuses_for_good_is_quarantined_and_flush_finishes(
+        env: Env, tmp_path: Path) -> None:
+    """A permanent refusal (a 4xx) of one key: flush uploads everything else, moves the
+    refused file's bytes to lost+found/ with a note, and fails naming it; nothing is
+    deleted, and a second flush has nothing left to do."""
+    env.store.refuse("bad.bin")
+    data = os.urandom(MiB + 3)
+    await env.a.write("good.bin", b"good")
+    await env.a.write("bad.bin", data)
+    await env.a.write("also-good.bin", b"also")
+    with trio.fail_after(30), pytest.raises(StoreError) as e:
+        await env.a.fs.flush_scope(FlushScope.everything())
+    assert "'bad.bin'" in str(e.value) and "lost+found" in str(e.value)
+    assert env.objects["good.bin"][0] == b"good"
+    assert env.objects["also-good.bin"][0] == b"also"
+    assert "bad.bin" not in env.objects
+    notes = list(tmp_path.rglob("lost+found/*.json"))  # noqa: ASYNC240
+    assert len(notes) == 1
+    note = json.loads(notes[0].read_text())
+    assert note["key"] == "bad.bin" and "refuses" in note["error"]
+    assert (notes[0].parent / note["data"]).read_bytes() == data
+    with trio.fail_after(10):
+        await env.a.fs.flush_scope(FlushScope.everything())  # nothing dirty is left
+    assert env.a.fs.backend.stats().quarantined == 1
+    assert env.a.fs.backend.stats().dirty_files == 0
+
+
+@pytest.mark.parametrize("kind", ["local", "replicated"])
+async def test_a_refused_key_is_retried_then_quarantined_in_the_background(
+        kind: str, tmp_path: Path) -> None:
+    """Without a flush, write-back retries a refused file a few times, then quarantines
+    it: it never retries forever."""
+    store = FaultyStore(MemoryStore())
+    store.refuse("bad.bin")
+    async with AsyncExitStack() as stack:
+        if kind == "local":
+            p = await stack.enter_async_context(node(config(writeback_delay=0.2), store,
+                                                     tmp_path / "n"))
+            nodes = [p]
+        else:
+            nodes = list(await stack.enter_async_context(
+                cluster(store, tmp_path, 2, writeback_delay=0.2)))
+        a, b = Posix(nodes[0].fs), Posix(nodes[-1].fs)
+        await a.write("bad.bin", b"refused bytes")
+        await a.write("good.bin", b"good")
+        t0 = time.monotonic()
+        with trio.fail_after(30):
+            while not list(tmp_path.rglob("lost+found/*.json")):  # noqa: ASYNC240
+                await trio.sleep(0.1)
+        assert time.monotonic() - t0 >= 0.5 * 2  # three refusals, 0.5 s apart at least
+        await b.fs.sync()
+        assert not await b.exists("bad.bin")  # the name shows S3's (no) version again
+        assert sum(n.backend.stats().quarantined for n in nodes) == 1
+        assert store.inner.objects["good.bin"][0] == b"good"

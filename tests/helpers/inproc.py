@@ -19,7 +19,7 @@ from objcache.config import MountConfig
 from objcache.core.filesystem import Filesystem
 from objcache.core.inode import ROOT_INO, Attr
 from objcache.daemon import Parts, build
-from objcache.errors import NotFound, ObjcacheError, StoreUnavailable
+from objcache.errors import NotFound, ObjcacheError, StoreRefused, StoreUnavailable
 from tests.helpers.cluster import free_port
 from tests.helpers.memstore import MemoryStore
 
@@ -46,6 +46,15 @@ class FaultyStore:
         self.inner = inner
         self.faults: list[Fault] = []
         self.calls: dict[str, int] = {}
+        self.refused: set[str] = set()  # keys every write of is refused for good
+
+    def refuse(self, key: str) -> None:
+        """Writes of `key` fail as S3 fails them for a key it never accepts (a 4xx)."""
+        self.refused.add(key)
+
+    def _check_refused(self, key: str) -> None:
+        if key in self.refused:
+            raise StoreRefused(f"injected: S3 refuses {key!r} (AccessDenied)")
 
     def fail(self, op: str, times: int = 1, skip: int = 0,
              exc: type[ObjcacheError] = StoreUnavailable) -> None:
@@ -128,15 +137,18 @@ class FaultyStore:
         return await self.inner.head_by_get(key, length, fd)
 
     async def put_bytes(self, key: str, body: bytes, metadata: dict[str, str]) -> str:
+        self._check_refused(key)
         await self._before("put")
         return await self.inner.put_bytes(key, body, metadata)
 
     async def put_file(self, key: str, path: str, size: int, metadata: dict[str, str],
                        part_size: int) -> str:
+        self._check_refused(key)
         await self._before("put")
         return await self.inner.put_file(key, path, size, metadata, part_size)
 
     async def start_upload(self, key: str, metadata: dict[str, str]) -> str:
+        self._check_refused(key)
         await self._before("put")
         return await self.inner.start_upload(key, metadata)
 

@@ -3,7 +3,8 @@
 Daemons under test use the proxy's endpoint, so a test can tell exactly how many object
 GETs and bytes a scenario cost. Requests are forwarded unchanged (the Host header too, so
 SigV4 signatures still verify). `fail_next` makes the next requests answer 503, to prove
-retries without touching the server.
+retries without touching the server; `refuse` makes every write of one key answer 403,
+as S3 does for a key a bucket policy or object lock refuses for good.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import http.client
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "expect",
         "proxy-connection", "te", "trailer", "upgrade"}
@@ -25,6 +26,7 @@ class CountingProxy:
         self.requests: Counter[str] = Counter()  # "GET_OBJECT", "LIST", "HEAD", "PUT", ...
         self.get_object_bytes = 0
         self._fail = 0
+        self._refused: set[str] = set()  # object keys whose writes answer 403
         self._local = threading.local()
         proxy = self
 
@@ -62,6 +64,10 @@ class CountingProxy:
             self.requests.clear()
             self.get_object_bytes = 0
 
+    def refuse(self, key: str) -> None:
+        with self.lock:
+            self._refused.add(key)
+
     def fail_next(self, n: int) -> None:
         with self.lock:
             self._fail = n
@@ -86,17 +92,18 @@ class CountingProxy:
     def _forward(self, h: BaseHTTPRequestHandler) -> None:
         body = self._read_body(h)
         kind = self._kind(h.command, h.path)
+        obj = urlsplit(h.path).path.lstrip("/").partition("/")[2]
         with self.lock:
             self.requests[kind] += 1
             fail = self._fail > 0
             if fail:
                 self._fail -= 1
+            refused = h.command in ("PUT", "POST") and unquote(obj) in self._refused
+        if refused:
+            self._error(h, 403, "AccessDenied")
+            return
         if fail:
-            msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
-            h.send_response(503)
-            h.send_header("Content-Length", str(len(msg)))
-            h.end_headers()
-            h.wfile.write(msg)
+            self._error(h, 503, "SlowDown")
             return
         headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
         if body is not None:
@@ -127,6 +134,14 @@ class CountingProxy:
         if kind == "GET_OBJECT" and resp.status in (200, 206):
             with self.lock:
                 self.get_object_bytes += len(data)
+
+    @staticmethod
+    def _error(h: BaseHTTPRequestHandler, status: int, code: str) -> None:
+        msg = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+        h.send_response(status)
+        h.send_header("Content-Length", str(len(msg)))
+        h.end_headers()
+        h.wfile.write(msg)
 
     @staticmethod
     def _read_body(h: BaseHTTPRequestHandler) -> bytes | None:

@@ -307,3 +307,49 @@ def test_an_epoch_after_the_ttl_relists_instead_of_a_head_per_file(s3, bucket, m
     for n in names[:-1]:
         (m.mnt / n).read_bytes()
     assert (m.mnt / names[-1]).read_bytes() == b"changed"
+
+
+def test_truncate_beyond_the_cache_is_sparse_and_efbig_beyond_s3(s3, bucket, mount):  # type: ignore
+    """A preallocating truncate needs no cache space until written (10 MiB cache, 1 GiB
+    file); beyond the largest uploadable object it gives EFBIG, not ENOSPC."""
+    m = mount(*SMALL_CHUNKS, "--cache-size", "10M", "--writeback-delay", "3600")
+    with open(m.mnt / "pre.bin", "w+b") as f:
+        os.ftruncate(f.fileno(), 1 << 30)
+        os.pwrite(f.fileno(), b"middle", 512 * MiB)
+        assert os.fstat(f.fileno()).st_size == 1 << 30
+        assert os.pread(f.fileno(), 6, 512 * MiB) == b"middle"
+        assert os.pread(f.fileno(), 4, 100 * MiB) == bytes(4)
+    assert m.status()["cache"]["used_bytes"] <= 10 * MiB
+    os.truncate(m.mnt / "pre.bin", 4096)  # (so that no test uploads a GiB of zeros)
+    with pytest.raises(OSError) as e:
+        os.truncate(m.mnt / "pre.bin", 10**15)
+    assert e.value.errno == errno.EFBIG
+    objcache("flush", str(m.mnt))
+    assert s3_body(s3, bucket, "pre.bin") == bytes(4096)
+
+
+def test_a_key_s3_refuses_is_quarantined_and_umount_finishes(s3, bucket, proxy, tmp_path):  # type: ignore
+    """S3 refuses one key for good (403 at the proxy): umount uploads everything else,
+    unmounts, names the refused file and leaves its bytes in the cache dir's lost+found/."""
+    proxy.refuse("bad.bin")
+    m = Mount(proxy.endpoint, bucket, tmp_path / "mnt", tmp_path / "cache",
+              "--writeback-delay", "3600").start()
+    try:
+        data = os.urandom(3 * MiB)
+        (m.mnt / "good1").write_bytes(b"one")
+        (m.mnt / "bad.bin").write_bytes(data)
+        (m.mnt / "good2").write_bytes(b"two")
+        t0 = time.monotonic()
+        r = objcache("umount", str(m.mnt), check=False, timeout=60)
+        assert r.returncode != 0 and "bad.bin" in r.stderr and "lost+found" in r.stderr, r
+        assert m.wait_exit(30) == 0
+        assert time.monotonic() - t0 < 30
+    finally:
+        m.stop()
+    assert s3_body(s3, bucket, "good1") == b"one" and s3_body(s3, bucket, "good2") == b"two"
+    assert "bad.bin" not in {o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
+    notes = list((tmp_path / "cache" / "lost+found").glob("*.json"))
+    assert len(notes) == 1
+    note = json.loads(notes[0].read_text())
+    assert note["key"] == "bad.bin" and "AccessDenied" in note["error"]
+    assert (notes[0].parent / note["data"]).read_bytes() == data

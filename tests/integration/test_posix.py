@@ -10,8 +10,10 @@ that a change is seen on the other node.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
+import itertools
 import mmap
 import os
 import stat
@@ -33,6 +35,11 @@ from tests.helpers.seaweed import SeaweedFS
 
 MiB = 1 << 20
 FLAGS = ("--chunk-size", "5M", "--writeback-delay", "3600")
+# Tests' directories are spread over a few parents made before the mounts look: a parent
+# in which 16 names were looked up one by one gets listed, and then a directory another
+# client makes there is only seen after --metadata-ttl (docs/semantics.md).
+GROUPS = 8
+_places = itertools.count()
 
 
 @dataclass
@@ -102,6 +109,8 @@ def mode(request: pytest.FixtureRequest, seaweed: SeaweedFS,
     s3 = seaweed.client()
     bucket = f"posix-{request.param}-{os.getpid()}"
     s3.create_bucket(Bucket=bucket)
+    for g in range(GROUPS):
+        s3.put_object(Bucket=bucket, Key=f"g{g}/", Body=b"")
     root = tmp_path_factory.mktemp(f"posix-{request.param}")
     mounts: list[Mount] = []
     try:
@@ -153,7 +162,7 @@ def place(mode: Mode) -> Place:
     # The directory is made in S3 (as by another client), so objects a test puts there
     # before its first look are seen (a directory listed through the mount shows other
     # clients' changes after --metadata-ttl).
-    sub = f"t-{uuid.uuid4().hex[:8]}"
+    sub = f"g{next(_places) % GROUPS}/t-{uuid.uuid4().hex[:8]}"
     mode.s3.put_object(Bucket=mode.bucket, Key=sub + "/", Body=b"")
     logs = [(m, _log_size(m)) for m in {id(mode.a): mode.a, id(mode.b): mode.b}.values()]
     return Place(mode, sub, mode.a.mnt / sub, mode.b.mnt / sub, logs)
@@ -429,3 +438,163 @@ def test_mkdir_rmdir_and_errors(place: Place) -> None:
     assert e.value.errno == errno.EFBIG
     assert os.stat(a / "top" / "f").st_size == 1
     assert not place.errors()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+AT_FDCWD = -100
+
+
+def renameat2(old: Path, new: Path, flags: int) -> None:
+    fn = _libc.renameat2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                   ctypes.c_uint]
+    if fn(AT_FDCWD, bytes(old), AT_FDCWD, bytes(new), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    fn = _libc.fallocate
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if fn(fd, mode, offset, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def test_special_files(place: Place) -> None:
+    """mkfifo/mknod make an empty object whose mode has the file type (s3fs-fuse's
+    convention); the kernel runs the pipe itself."""
+    a, b = place.a, place.b
+    os.mkfifo(a / "fifo", 0o640)
+    os.mknod(a / "sock", stat.S_IFSOCK | 0o600)
+    os.mknod(a / "chr", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    os.mknod(a / "plain", stat.S_IFREG | 0o600)
+    for root in (a, b):
+        st = seen(lambda root=root: os.lstat(root / "fifo"))
+        assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640, oct(st.st_mode)
+        assert stat.S_ISSOCK(os.lstat(root / "sock").st_mode)
+        st = os.lstat(root / "chr")
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3), st
+        assert stat.S_ISREG(os.lstat(root / "plain").st_mode)
+        with pytest.raises(PermissionError):  # the mount is nodev: never the real device
+            open(root / "chr", "rb").close()
+    # A FIFO on the mount is a pipe between two processes of one node.
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append((a / "fifo").read_bytes()))
+    reader.start()
+    with open(a / "fifo", "wb") as w:
+        w.write(b"progress 42%\n")
+    reader.join(10)
+    assert got == [b"progress 42%\n"]
+    # chmod, rename and unlink work on it like on any file.
+    os.chmod(a / "fifo", 0o600)
+    os.rename(a / "fifo", a / "fifo2")
+    st = seen(lambda: os.lstat(b / "fifo2"))
+    assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert gone(b / "fifo")
+    os.unlink(b / "sock")
+    assert gone(a / "sock")
+    with pytest.raises(FileExistsError):
+        os.mkfifo(b / "fifo2")
+    place.flush()
+    assert place.body("fifo2") == b""
+    assert stat.S_ISFIFO(int(place.head("fifo2")["Metadata"]["mode"]))
+    meta = place.head("chr")["Metadata"]
+    assert stat.S_ISCHR(int(meta["mode"])) and int(meta["rdev"]) == os.makedev(1, 3)
+    assert "sock" not in place.s3_keys()
+    assert not place.errors()
+
+
+def test_ctime_and_atime(place: Place) -> None:
+    """utimensat sets atime and mtime; chmod, chown, rename, truncate and writes move ctime;
+    reads do not move atime (noatime). All of it reaches S3 as s3fs-fuse stores it."""
+    a, b = place.a, place.b
+    (a / "f").write_bytes(b"data")
+    os.utime(a / "f", ns=(1_500_000_000_123_456_789, 1_600_000_000_987_654_321))
+    st = seen(lambda: (s := os.stat(b / "f")).st_atime_ns == 1_500_000_000_123_456_789
+              and s)
+    assert st.st_mtime_ns == 1_600_000_000_987_654_321, st
+    set_at = st.st_ctime_ns
+    assert set_at > time.time_ns() - 60 * 10**9  # utimensat moved ctime to now
+    time.sleep(0.05)
+    (b / "f").read_bytes()
+    assert os.stat(a / "f").st_atime_ns == 1_500_000_000_123_456_789  # noatime
+    for change in (lambda: os.chmod(a / "f", 0o600),
+                   lambda: os.chown(a / "f", os.getuid(), os.getgid()),
+                   lambda: os.rename(a / "f", a / "g"),
+                   lambda: os.rename(a / "g", a / "f")):
+        before = os.stat(a / "f").st_ctime_ns if (a / "f").exists() else 0
+        time.sleep(0.02)
+        change()
+        path = a / "f" if (a / "f").exists() else a / "g"
+        st = os.stat(path)
+        assert st.st_ctime_ns > before, (change, st)
+        assert st.st_mtime_ns == 1_600_000_000_987_654_321, st  # only ctime moved
+    st = seen(lambda: (s := os.stat(b / "f")).st_ctime_ns > set_at and s)
+    assert st.st_ctime_ns > set_at and st.st_mtime_ns == 1_600_000_000_987_654_321
+    place.flush()
+    meta = place.head("f")["Metadata"]
+    assert meta["atime"] == "1500000000.123456789"
+    assert meta["mtime"] == "1600000000.987654321"
+    assert int(meta["ctime"].partition(".")[0]) >= set_at // 10**9
+    # clean (in S3): a chmod rewrites the object's metadata with the new ctime
+    time.sleep(1.1)
+    os.chmod(a / "f", 0o640)
+    place.flush()
+    after = place.head("f")["Metadata"]
+    assert int(after["ctime"].partition(".")[0]) > int(meta["ctime"].partition(".")[0])
+    assert after["atime"] == meta["atime"] and after["mtime"] == meta["mtime"]
+    assert not place.errors()
+
+
+def test_rename_flags(place: Place) -> None:
+    a = place.a
+    (a / "x").write_bytes(b"x")
+    (a / "y").write_bytes(b"y")
+    with pytest.raises(FileExistsError):
+        renameat2(a / "x", a / "y", 1)  # RENAME_NOREPLACE
+    renameat2(a / "x", a / "z", 1)
+    assert (place.b / "z").read_bytes() == b"x"
+    with pytest.raises(OSError) as e:
+        renameat2(a / "z", a / "y", 2)  # RENAME_EXCHANGE: not supported (documented)
+    assert e.value.errno == errno.EINVAL
+    assert (a / "z").read_bytes() == b"x" and (a / "y").read_bytes() == b"y"
+
+
+def test_shared_writable_mmap(place: Place) -> None:
+    data = bytearray(os.urandom(2 * MiB))
+    (place.a / "m").write_bytes(bytes(data))
+    with open(place.a / "m", "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        mm[100:105] = b"HELLO"
+        mm[MiB + 7:MiB + 12] = b"WORLD"
+        mm.flush()
+    data[100:105] = b"HELLO"
+    data[MiB + 7:MiB + 12] = b"WORLD"
+    assert seen(lambda: (place.b / "m").read_bytes() == data)
+    place.flush()
+    assert place.body("m") == data
+    assert not place.errors()
+
+
+def test_o_append_from_two_handles(place: Place) -> None:
+    (place.a / "log").write_bytes(b"")
+    with open(place.a / "log", "ab") as f1, open(place.a / "log", "ab") as f2:
+        for i in range(20):
+            (f1 if i % 2 else f2).write(b"line %02d\n" % i)
+            f1.flush()
+            f2.flush()
+    want = b"".join(b"line %02d\n" % i for i in range(20))
+    assert (place.a / "log").read_bytes() == want
+    assert seen(lambda: (place.b / "log").read_bytes() == want)
+
+
+def test_fallocate(place: Place) -> None:
+    """fallocate(2) is not implemented (the kernel gives EOPNOTSUPP); posix_fallocate
+    falls back to writing zeros and works."""
+    with open(place.a / "pre", "w+b") as f:
+        with pytest.raises(OSError) as e:
+            fallocate(f.fileno(), 0, 0, MiB)
+        assert e.value.errno == errno.EOPNOTSUPP
+        os.posix_fallocate(f.fileno(), 0, MiB)
+        assert os.fstat(f.fileno()).st_size == MiB
+    assert (place.b / "pre").read_bytes() == bytes(MiB)

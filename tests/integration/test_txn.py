@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -277,3 +279,30 @@ def test_quorum_loss_fails_with_eio_in_bounded_time(cluster):  # type: ignore[no
     cluster.wait_raft(nodes, 5, timeout=90)
     os.mkdir(nodes[0].mnt / "after")
     assert _wait(lambda: all((m.mnt / "after").is_dir() for m in nodes), what="mkdir")
+
+
+def test_sigterm_with_a_key_s3_refuses_finishes_and_quarantines(cluster, s3, bucket, proxy,
+                                                                tmp_path):  # type: ignore
+    """S3 refuses one key for good: SIGTERM of each node (a Kubernetes scale-down) still
+    finishes; everything else reaches S3 and the refused bytes are in a lost+found/."""
+    proxy.refuse("bad.bin")
+    a, b = cluster.add(*WB), cluster.add(*WB)
+    cluster.wait_raft([a, b], 2)
+    data = os.urandom(2 * MiB)
+    (a.mnt / "good1").write_bytes(b"one")
+    (b.mnt / "bad.bin").write_bytes(data)
+    (a.mnt / "good2").write_bytes(b"two")
+    for m in (b, a):
+        t0 = time.monotonic()
+        assert m.proc is not None
+        m.proc.send_signal(signal.SIGTERM)
+        assert m.wait_exit(90) == 0
+        print(f"SIGTERM of {m.mnt.name}: exited in {time.monotonic() - t0:.2f}s")
+    objs = _objects(s3, bucket)
+    assert objs.get("good1") == b"one" and objs.get("good2") == b"two"
+    assert "bad.bin" not in objs
+    notes = list(tmp_path.rglob("lost+found/*.json"))
+    assert len(notes) == 1, notes
+    note = json.loads(notes[0].read_text())
+    assert note["key"] == "bad.bin"
+    assert (notes[0].parent / note["data"]).read_bytes() == data

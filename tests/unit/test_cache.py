@@ -17,7 +17,7 @@ from objcache.cache.pins import Pins
 from objcache.cache.router import ChunkRouter
 from objcache.cache.statedb import StateDB
 from objcache.core.handles import ObjectSource
-from objcache.entries import ObjectRef
+from objcache.entries import Attrs, ObjectRef
 from objcache.errors import NoSpace
 from tests.helpers.memstore import MemoryStore
 
@@ -148,7 +148,7 @@ async def test_without_room_reads_still_work_and_nothing_is_kept(tmp_path):  # t
     data = os.urandom(CS)
     etag = store.put("k", data)
     async with running(tmp_path, store, capacity=2 * CS) as (_, chunks, local):
-        lf = local.create("dirty", 0o100644, 0, 0, 0)
+        lf = local.create("dirty", Attrs(0o100644, 0, 0, 0))
         await local.write(lf, 0, bytes(2 * CS - 10))  # dirty: never evicted
         assert bytes(await chunks.read("k", etag, CS, 0, CS)) == data
         assert chunks.cache.cached("k", etag, 0) is None
@@ -169,7 +169,7 @@ async def test_local_file_overlay_materializes_only_touched_chunks(tmp_path):  #
     base = bytearray(os.urandom(3 * CS))
     etag = store.put("f", bytes(base))
     async with running(tmp_path, store) as (_, _, local):
-        lf = local.create("f", 0o100644, 0, 0, 0, base=("f", etag, len(base)), etag=etag)
+        lf = local.create("f", Attrs(0o100644, 0, 0, 0), base=("f", etag, len(base)), etag=etag)
         await local.write(lf, CS + 5, b"XYZ")
         base[CS + 5:CS + 8] = b"XYZ"
         assert lf.materialized == {1}
@@ -185,7 +185,7 @@ async def test_local_file_overlay_materializes_only_touched_chunks(tmp_path):  #
 async def test_journal_recovers_dirty_files(tmp_path):  # type: ignore
     store = MemoryStore()
     async with running(tmp_path, store) as (db, _, local):
-        lf = local.create("a/b", 0o100600, 7, 8, 123)
+        lf = local.create("a/b", Attrs(0o100600, 7, 8, 123))
         await local.write(lf, 0, b"payload")
         local.save(lf)
         local.close()
@@ -199,9 +199,9 @@ async def test_journal_recovers_dirty_files(tmp_path):  # type: ignore
 async def test_dirty_data_is_never_evicted(tmp_path):  # type: ignore
     store = MemoryStore()
     async with running(tmp_path, store, capacity=2 * CS) as (_, _, local):
-        lf = local.create("big", 0o100644, 0, 0, 0)
+        lf = local.create("big", Attrs(0o100644, 0, 0, 0))
         await local.write(lf, 0, bytes(CS + CS // 2))
-        other = local.create("other", 0o100644, 0, 0, 0)
+        other = local.create("other", Attrs(0o100644, 0, 0, 0))
         with pytest.raises(NoSpace):
             await local.write(other, 0, bytes(CS))
         assert lf.size == CS + CS // 2 and not lf.removed

@@ -17,6 +17,7 @@ from objcache.backend.local import LocalBackend
 from objcache.cache.chunks import ChunkCache
 from objcache.cache.localfiles import LocalFiles
 from objcache.cache.pins import Pins
+from objcache.cache.quarantine import Quarantine
 from objcache.cache.router import ChunkRouter
 from objcache.cache.statedb import StateDB
 from objcache.config import MountConfig
@@ -43,7 +44,8 @@ async def env(tmp_path: Path) -> AsyncIterator[tuple[Filesystem, MemoryStore]]:
     cache = ChunkCache(db, tmp_path, 1 << 30, cfg.chunk_size, store)  # type: ignore[arg-type]
     router = ChunkRouter(cache, Pins(cache))
     local = LocalFiles(db, tmp_path, cache, router)
-    fs = Filesystem(cfg, LocalBackend(cfg, store, local), router, local)  # type: ignore[arg-type]
+    fs = Filesystem(cfg, LocalBackend(cfg, store, local, Quarantine(tmp_path)), router,  # type: ignore[arg-type]
+                    local)
     store.delay = 0.001
     async with trio.open_nursery() as n:
         await n.start(cache.run)
