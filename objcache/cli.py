@@ -12,10 +12,16 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from objcache import __version__, control
-from objcache.config import MountConfig, load_config_file, parse_source, set_option
+from objcache.config import (
+    MountConfig,
+    load_config_file,
+    parse_source,
+    set_option,
+    startup_warnings,
+)
 from objcache.errors import UserError
 
 _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
@@ -50,6 +56,9 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
                     "yet uploaded file (default 2; fewer if fewer nodes are up)"}),
     ("--txn-timeout", {"metavar": "SECONDS", "help": "fail a namespace change with EIO if "
                        "the cluster cannot commit it in this long (default 10)"}),
+    ("--catch-up-seconds", {"metavar": "SECONDS", "help": "mount after this long even if "
+                            "the cluster's log could not be caught up with yet (default "
+                            "60)"}),
     ("--metrics-addr", {"metavar": "HOST:PORT", "help": "serve Prometheus metrics at "
                         "http://HOST:PORT/metrics"}),
     ("--log-level", {"metavar": "LEVEL", "help": "debug, info, warning or error"}),
@@ -60,8 +69,8 @@ _MOUNT_SWITCHES = ["--foreground", "--read-only", "--allow-other", "--recover-mo
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="objcache", description="Cache an S3 bucket on local "
-                                "NVMe and mount it as a POSIX directory.")
+    p = _OneLineParser(prog="objcache", description="Cache an S3 bucket on local NVMe and "
+                       "mount it as a POSIX directory.")
     p.add_argument("--version", action="version", version=f"objcache {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -149,6 +158,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     if cfg.foreground or args.ready_fd is not None:
         return _run_daemon(cfg, args.ready_fd)
+    for warning in startup_warnings(cfg):
+        print(f"objcache mount: warning: {warning}", file=sys.stderr)
     # Start the daemon detached and wait for it to say it is mounted (or why not).
     r, w = os.pipe()
     argv = [sys.executable, "-m", "objcache", *sys.argv[1:], "--ready-fd", str(w)]
@@ -178,9 +189,18 @@ def _run_daemon(cfg: MountConfig, ready_fd: int | None) -> int:
     log_file = cfg.log_file
     if ready_fd is not None and log_file is None:
         cache_dir = cfg.cache_dir or cfg.default_cache_dir()
-        os.makedirs(cache_dir, exist_ok=True)
         log_file = os.path.join(cache_dir, "objcache.log")
-    setup_logging(cfg.log_level, log_file)
+    try:
+        if log_file is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+        setup_logging(cfg.log_level, log_file)
+    except OSError as e:
+        err = UserError(f"cannot write the log file {log_file}: {e.strerror}")
+        if ready_fd is None:
+            raise err from None
+        os.write(ready_fd, f"error: {err}\n".encode())
+        os.close(ready_fd)
+        return err.exit_code
 
     readied = False
 
@@ -345,6 +365,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
         else:
             print("  raft: starting")
     return 0
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line naming the cause (not the whole usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = ""
+        if "expected one argument" in message:
+            hint = " (a value that starts with '-' is read as an option: write --flag=VALUE)"
+        self.exit(2, f"{self.prog}: {message}{hint}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

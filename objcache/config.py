@@ -13,11 +13,14 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from objcache.errors import UserError
 
 MIB = 1 << 20
 MIN_CHUNK_SIZE = 5 * MIB  # an S3 multipart part (except the last) must be >= 5 MiB
+# What S3-compatible servers accept (botocore's own check); AWS is stricter.
+BUCKET_NAME = re.compile(r"^[a-zA-Z0-9.\-_]{1,255}$")
 MAX_CHUNK_SIZE = 1 << 30
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)?\s*$", re.IGNORECASE)
@@ -88,10 +91,27 @@ class MountConfig:
     # namespace change may wait for a Raft quorum before the call fails with EIO.
     replicas: int = 2
     txn_timeout: float = 10.0
+    # A (re)starting member mounts after this long even if it could not catch up with the
+    # cluster's log (too few members up yet); it catches up in the background.
+    catch_up_seconds: float = 60.0
 
     def validate(self) -> None:
         if not self.bucket:
             raise UserError("missing bucket: expected s3://BUCKET[/PREFIX]")
+        if not BUCKET_NAME.match(self.bucket):
+            raise UserError(f"invalid bucket name {self.bucket!r}: expected 1-255 letters, "
+                            "digits, '.', '-' or '_' (AWS: 3-63 lowercase letters, digits, "
+                            "'.' and '-')")
+        if self.endpoint_url is not None:
+            u = urlsplit(self.endpoint_url)
+            if u.scheme not in ("http", "https") or not u.hostname:
+                raise UserError(f"invalid endpoint-url {self.endpoint_url!r}: expected "
+                                "http(s)://HOST[:PORT]")
+            try:
+                u.port  # noqa: B018 - raises on a malformed port
+            except ValueError:
+                raise UserError(f"invalid endpoint-url {self.endpoint_url!r}: bad port") \
+                    from None
         if self.chunk_size < MIN_CHUNK_SIZE or self.chunk_size > MAX_CHUNK_SIZE:
             raise UserError(f"invalid chunk-size {self.chunk_size}: must be between 5M and 1G "
                             "(a chunk is an S3 multipart part)")
@@ -119,6 +139,8 @@ class MountConfig:
             raise UserError("invalid replicas: expected 1..5 copies of each dirty file")
         if self.txn_timeout < 1:
             raise UserError("invalid txn-timeout: must be at least 1 second")
+        if self.catch_up_seconds < 1:
+            raise UserError("invalid catch-up-seconds: must be at least 1 second")
         if self.peer_timeout < 0.5:
             raise UserError("invalid peer-timeout: must be at least 0.5 seconds")
         if self.near_cache_size is None:
@@ -136,7 +158,7 @@ class MountConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(MountConfig)}
 _SIZE_KEYS = {"cache_size", "chunk_size", "readahead", "near_cache_size"}
 _DURATION_KEYS = {"writeback_delay", "metadata_ttl", "s3_retry_seconds", "peer_timeout",
-                  "txn_timeout"}
+                  "txn_timeout", "catch_up_seconds"}
 _BOOL_KEYS = {"foreground", "read_only", "allow_other", "recover_mount"}
 _INT_KEYS = {"s3_concurrency", "replicas"}
 
@@ -192,6 +214,10 @@ def load_config_file(cfg: MountConfig, path: str) -> None:
         raise UserError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"config file {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"config file {path} is not TOML: it is not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"config file {path} is not readable: {e.strerror}") from None
     for key, value in data.items():
         if key in ("source", "bucket"):
             # A config file may name the bucket too: `source = "s3://bucket/prefix"`.
@@ -199,3 +225,42 @@ def load_config_file(cfg: MountConfig, path: str) -> None:
                                                   else f"s3://{value}")
             continue
         set_option(cfg, key, value, f"config file {path}")
+
+
+def disk_reserve(total: int) -> int:
+    """Bytes of the cache dir's filesystem never filled with cache data: the state
+    database (journal, chunk index) must always be able to commit."""
+    return max(16 << 20, min(256 << 20, total // 50))
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def startup_warnings(cfg: MountConfig) -> list[str]:
+    """What is accepted but probably not meant: one line each, printed by `mount` and
+    logged by the daemon."""
+    out = []
+    cache_dir = Path(cfg.cache_dir or cfg.default_cache_dir())
+    try:
+        st = os.statvfs(_existing(cache_dir))
+    except OSError:
+        st = None
+    if st is not None:
+        total = st.f_blocks * st.f_frsize
+        room = total - disk_reserve(total)
+        if cfg.cache_size > room:
+            out.append(f"cache-size {cfg.cache_size} is more than the filesystem of "
+                       f"{cache_dir} holds ({total} bytes); the cache uses at most what is "
+                       f"free there, less a reserve of {disk_reserve(total)} bytes")
+    if cfg.cluster_secret_file:
+        try:
+            mode = os.stat(cfg.cluster_secret_file).st_mode
+        except OSError:
+            mode = 0
+        if mode & 0o077:
+            out.append(f"cluster secret file {cfg.cluster_secret_file} is readable by other "
+                       f"users (mode {mode & 0o777:o}): chmod 600 it")
+    return out

@@ -15,6 +15,7 @@ import fcntl
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -41,7 +42,7 @@ from objcache.cache.statedb import StateDB
 from objcache.cluster.chunkservice import ChunkService
 from objcache.cluster.node import ClusterNode, bind_listener, load_secret, raft_address
 from objcache.cluster.peers import PeerServer, Routes
-from objcache.config import MountConfig
+from objcache.config import MountConfig, startup_warnings
 from objcache.control import ControlChannel
 from objcache.core.filesystem import Filesystem
 from objcache.errors import ObjcacheError, StoreRefused, UserError, unwrap
@@ -268,6 +269,13 @@ class Daemon:
     def prepare(self) -> None:
         """Everything that can fail because of user input, before mounting; then build."""
         cfg = self.cfg
+        for warning in startup_warnings(cfg):
+            log.warning("%s", warning)
+        # Every cached chunk file, peer and client connection is a descriptor: take what
+        # the hard limit allows (often 1,024 soft against 2^20 hard).
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         check_mountpoint(self.mountpoint, cfg.recover_mount)
         store = S3Store(cfg.bucket, cfg.prefix, cfg.endpoint_url, cfg.region,
                         cfg.s3_concurrency, cfg.s3_retry_seconds)

@@ -33,6 +33,7 @@ import trio
 import xxhash
 
 from objcache.cache.statedb import StateDB
+from objcache.config import disk_reserve
 from objcache.errors import StaleObject, StoreError, first_error
 
 if TYPE_CHECKING:
@@ -325,7 +326,9 @@ def _write_chunk(path: str, data: memoryview, size: int) -> None:
 
 class ChunkCache:
     """Attributes:
-    capacity: byte budget for chunks plus what others charge (`charge`/`release`).
+    capacity: byte budget for chunks plus what others charge (`charge`/`release`): the
+        configured size, or less when the disk holds less (it is measured, so a disk
+        that other data fills makes the cache evict rather than fail writes).
     chunk_bytes: bytes held by cached chunks (and downloads that will be cached).
     local_bytes: bytes charged by the write-back store and dirty blobs.
     near_capacity: bytes of other nodes' chunks kept here once they are read repeatedly.
@@ -335,7 +338,11 @@ class ChunkCache:
                  store: ObjectStore, near_capacity: int = 0, buffers: int = 6) -> None:
         self.db = db
         self.root = root
-        self.capacity = capacity
+        self.configured = capacity
+        self._stat_at = -1e9
+        self._disk_free = 0  # what statvfs said, at _stat_at ...
+        self._used_at_stat = 0  # ... when `used` was this
+        self._reserve = 0
         self.chunk_size = chunk_size
         self.store = store
         self.s3 = _S3Source(store, chunk_size)
@@ -486,6 +493,24 @@ class ChunkCache:
     @property
     def used(self) -> int:
         return self.chunk_bytes + self.local_bytes
+
+    @property
+    def capacity(self) -> int:
+        """The configured size, or what the disk can hold now: what we use plus what is
+        free, less a reserve (statvfs at most every 0.2 s, corrected by what we charged
+        since)."""
+        now = time.monotonic()
+        if now - self._stat_at > 0.2:
+            try:
+                st = os.statvfs(self.root)
+            except OSError:
+                return self.configured
+            self._stat_at = now
+            self._disk_free = st.f_bavail * st.f_frsize
+            self._used_at_stat = self.used
+            self._reserve = disk_reserve(st.f_blocks * st.f_frsize)
+        free = self._disk_free - (self.used - self._used_at_stat)
+        return max(0, min(self.configured, self.used + free - self._reserve))
 
     def offer(self, token: object, free: Callable[[], int]) -> None:
         """Clean data outside the chunk index that may be dropped for room, after every

@@ -13,9 +13,7 @@ dirty-blob requests from objcache.txn.
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,15 +41,12 @@ def load_secret(path: str | None) -> bytes:
     try:
         with open(path, "rb") as f:
             key = f.read().strip()
-        mode = os.stat(path).st_mode
     except OSError as e:
         raise UserError(f"cluster secret file {path} is not readable: {e.strerror}") from None
     if len(key) < MIN_SECRET_BYTES:
         raise UserError(f"cluster secret file {path} holds {len(key)} bytes; use at least "
                         f"{MIN_SECRET_BYTES} random bytes (e.g. openssl rand -hex 32)")
-    if mode & (stat.S_IROTH | stat.S_IWOTH):
-        log.warning("cluster secret file %s is readable by other users", path)
-    return key
+    return key  # (a file others can read is warned about: config.startup_warnings)
 
 
 def bind_listener(addr: str) -> socket.socket:
@@ -109,7 +104,7 @@ class ClusterNode:
                                         self.request_timeout)
         self.raft: RaftGroup[Any] = RaftGroup(self.membership, self.client, self.pool,
                                               raft_addr, raft_dir, key.hex(), new_state,
-                                              extract)
+                                              extract, cfg.catch_up_seconds)
 
     def routes(self) -> dict[str, Handler]:
         """The requests this part of the node answers (membership and Raft)."""

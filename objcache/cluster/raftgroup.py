@@ -55,7 +55,9 @@ class RaftGroup(Generic[T]):
     def __init__(self, membership: Membership, client: PeerClient, pool: PeerPool,
                  raft_addr: str, raft_dir: Path, secret: str,
                  new_state: Callable[[], StateMachine],
-                 extract: Callable[[Any, dict[str, Any]], T | None]) -> None:
+                 extract: Callable[[Any, dict[str, Any]], T | None],
+                 catch_up_wait: float = CATCH_UP_WAIT) -> None:
+        self.catch_up_wait = catch_up_wait
         self.membership = membership
         self.client = client
         self.pool = pool
@@ -86,10 +88,10 @@ class RaftGroup(Generic[T]):
         self._token = trio.lowlevel.current_trio_token()
         await self._enter_group()
         nursery.start_soon(self._supervise)
-        if not await self._catch_up(CATCH_UP_WAIT):
+        if not await self._catch_up(self.catch_up_wait):
             log.warning("could not catch up with the cluster's log in %.0fs; mounting anyway "
                         "(changes appear as they are applied; write-back waits until "
-                        "caught up)", CATCH_UP_WAIT)
+                        "caught up)", self.catch_up_wait)
             nursery.start_soon(self._catch_up, math.inf)
 
     async def _catch_up(self, timeout: float) -> bool:

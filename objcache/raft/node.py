@@ -19,7 +19,9 @@ docs/architecture.md, "Raft"):
   replays its log;
 - log compaction only after many entries and minutes, which keeps the compaction path
   (where a follower journal was seen to break under load) out of the hot path.
-The follower's log handling is corrected in objcache/raft/follower_fix.py.
+The follower's log handling is corrected in objcache/raft/follower_fix.py, and the port is
+defended (own address only, authentication deadline, frame limits) in
+objcache/raft/guard.py.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 
 from objcache.errors import NoQuorum
 from objcache.raft.follower_fix import FollowerFix
+from objcache.raft.guard import GuardedTransport
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +55,9 @@ class StateMachine(Protocol):
 Applied = Callable[[Any, dict[str, Any]], None]
 
 
-def make_conf(data_dir: Path, secret: str) -> SyncObjConf:
+def make_conf(data_dir: Path, secret: str, bind: str | None = None) -> SyncObjConf:
     return SyncObjConf(
+        bindAddress=bind,  # our own address: pysyncobj would bind 0.0.0.0
         password=secret,
         useFork=False,
         appendEntriesUseBatch=False,
@@ -82,7 +86,7 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
                  state: StateMachine, on_applied: Applied = _ignore) -> None:
         self.state = state
         self.on_applied = on_applied  # set before __init__: never dumped
-        super().__init__(self_addr, partners, conf=conf)
+        super().__init__(self_addr, partners, conf=conf, transportClass=GuardedTransport)
         # pysyncobj dumps (log compaction, a snapshot sent to a new follower) only hold
         # attributes set after its __init__: the state must be one of them.
         self._SyncObj__properies.discard("state")
@@ -109,7 +113,7 @@ class RaftNode:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.addr = self_addr
         self._replica = _Replica(self_addr, [p for p in partners if p != self_addr],
-                                 make_conf(data_dir, secret), state, on_applied)
+                                 make_conf(data_dir, secret, self_addr), state, on_applied)
 
     @property
     def state(self) -> Any:

@@ -13,12 +13,14 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
+from xml.etree import ElementTree
 
 import boto3
 import botocore.exceptions as bex
 import trio
 import urllib3
 from botocore.config import Config
+from botocore.parsers import ResponseParserError
 from botocore.response import StreamingBody
 from s3transfer.utils import ReadFileChunk
 
@@ -50,7 +52,17 @@ _TRANSIENT_EXC = (
     bex.ConnectTimeoutError, bex.ResponseStreamingError, bex.IncompleteReadError,
     ConnectionError, TimeoutError,
     urllib3.exceptions.HTTPError,  # a body read failing on objcache.store.signed's path
+    # A response that does not parse (a LIST cut short by a proxy or a dropped
+    # connection) is a failed attempt like any other: try again.
+    ResponseParserError, ElementTree.ParseError,
 )
+
+
+def attempt_timeout(retry_seconds: float) -> float:
+    """Seconds one S3 attempt may wait for the server (each socket read; connects take 5 s
+    at most): short enough that a stalled server leaves room for several attempts within
+    the retry budget, long enough for a slow but working one."""
+    return max(5.0, min(30.0, retry_seconds / 4))
 
 
 class S3Stats:
@@ -123,15 +135,18 @@ class S3Store:
         # 8 threads, 786/s with 16).
         self.meta_limiter = trio.CapacityLimiter(max(16, concurrency))
         session = boto3.session.Session()
+        # One attempt per call: our loop (_call) retries, with backoff, within the budget
+        # (botocore's own retries would spend it on one stalled request).
+        timeout = attempt_timeout(retry_seconds)
         self.client = make_client(endpoint_url, region, pool=3 * concurrency + 8,
-                                  session=session)
+                                  read_timeout=timeout, attempts=1, session=session)
         self.endpoint = self.client.meta.endpoint_url
         # HEAD and GET (the requests a cold `ls -l` or small-file pass is made of) skip
         # boto3's per-call machinery; see objcache/store/signed.py.
         self.fast: SignedHttp | None = None
         if fast_requests and SignedHttp.usable(self.client, bucket):
             self.fast = SignedHttp(self.client, session.get_credentials(), bucket,
-                                   pool=3 * concurrency + 8)
+                                   pool=3 * concurrency + 8, read_timeout=timeout)
 
     # -- plumbing -------------------------------------------------------------------------
 

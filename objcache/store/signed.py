@@ -87,6 +87,8 @@ class SignedHttp:
             raise TimeoutError(f"S3 {method} timed out: {e}") from None
         except urllib3.exceptions.HTTPError as e:
             raise ConnectionError(f"S3 {method} failed: {e}") from None
+        except ValueError as e:  # http.client on a pooled socket that was closed under it
+            raise ConnectionError(f"S3 {method} failed: {e}") from None
 
     def _raise(self, r: Any, op: str) -> None:
         body = b"" if op == "HeadObject" else r.read()  # error bodies are small

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from objcache.entries import DirEntry, Entry, FileEntry, FlushScope, Tombstone
-from objcache.errors import ObjcacheError, StaleObject, StoreError, StoreRefused
+from objcache.errors import NoQuorum, ObjcacheError, StaleObject, StoreError, StoreRefused
 from objcache.store.meta import make_meta
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ class ClusterFlusher:
         self.wake = trio.Event()
         self._running: set[str] = set()
         self._failed: dict[str, float] = {}
+        self._errors: dict[str, tuple[float, ObjcacheError]] = {}  # last failure, by key
         self._urgent: set[str] | None = set()  # keys asked for now; None: everything
         self.uploaded = 0
         self.failed = 0
@@ -115,6 +116,7 @@ class ClusterFlusher:
             async with self.uploads:
                 await self.upload(key, e)
             self.quarantine.forgive(key)
+            self._errors.pop(key, None)
         except StoreRefused as ex:
             self.failed += 1
             self._failed[key] = time.monotonic()
@@ -127,6 +129,7 @@ class ClusterFlusher:
         except ObjcacheError as ex:
             self.failed += 1
             self._failed[key] = time.monotonic()
+            self._errors[key] = (time.monotonic(), ex)
             log.warning("write-back of %r failed (it stays dirty, retried in %.0fs): %s",
                         key, self.retry_after, ex)
         except Exception:
@@ -208,18 +211,41 @@ class ClusterFlusher:
         flushed = 0
         added: set[str] = set()
         seen = len(self.quarantine.recent)
+        started = time.monotonic()
+        behind_since: float | None = None
         try:
             while True:
                 todo = [(k, e) for k, e in self._snapshot() if self._wanted(k, e, scope)]
                 if not todo:
                     self.quarantine.raise_if_refused(
-                    seen, lambda k: scope.kind == "mine" or scope.covers(k))
+                        seen, lambda k: scope.kind == "mine" or scope.covers(k))
                     return flushed
                 flushed = max(flushed, len(todo))
+                self._raise_failures(todo, started)
+                # Not caught up with the log (too few members up): nothing can be written
+                # back, and waiting forever would hang flush, umount and SIGTERM.
+                if self.txn.caught_up():
+                    behind_since = None
+                elif behind_since is None:
+                    behind_since = time.monotonic()
+                elif time.monotonic() - behind_since > self.txn.timeout:
+                    raise NoQuorum(f"{len(todo)} entries are still dirty: this node has not "
+                                   f"caught up with the cluster's log for "
+                                   f"{self.txn.timeout:.0f}s (too few members up?)")
                 await self._push(todo, deadline, added)
         finally:
             if self._urgent is not None:
                 self._urgent -= added
+
+    def _raise_failures(self, todo: list[tuple[str, Entry]], since: float) -> None:
+        """A write-back in scope that failed since `since` (after the store's own retry
+        budget) fails the flush; the entry stays dirty and is retried."""
+        failed = [(k, self._errors[k][1]) for k, _ in todo
+                  if k in self._errors and self._errors[k][0] >= since]
+        if failed:
+            key, err = failed[0]
+            raise StoreError(f"write-back of {key!r} failed ({len(failed)} in all; they stay "
+                             f"dirty and are retried): {err}")
 
     async def _push(self, todo: list[tuple[str, Entry]], deadline: float | None,
                     added: set[str]) -> None:

@@ -4,13 +4,16 @@ Daemons under test use the proxy's endpoint, so a test can tell exactly how many
 GETs and bytes a scenario cost. Requests are forwarded unchanged (the Host header too, so
 SigV4 signatures still verify). `fail_next` makes the next requests answer 503, to prove
 retries without touching the server; `refuse` makes every write of one key answer 403,
-as S3 does for a key a bucket policy or object lock refuses for good.
+as S3 does for a key a bucket policy or object lock refuses for good; `stall_next` holds
+the next requests of a kind for a while, and `short_next` cuts their bodies in half (with a
+matching Content-Length: a response that ends early and does not parse).
 """
 
 from __future__ import annotations
 
 import http.client
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
@@ -27,6 +30,8 @@ class CountingProxy:
         self.get_object_bytes = 0
         self._fail = 0
         self._refused: set[str] = set()  # object keys whose writes answer 403
+        self._stall: dict[str, tuple[int, float]] = {}  # kind -> (requests left, seconds)
+        self._short: dict[str, int] = {}  # kind -> responses left to cut short
         self._local = threading.local()
         proxy = self
 
@@ -68,6 +73,14 @@ class CountingProxy:
         with self.lock:
             self._refused.add(key)
 
+    def stall_next(self, kind: str, n: int, seconds: float) -> None:
+        with self.lock:
+            self._stall[kind] = (n, seconds)
+
+    def short_next(self, kind: str, n: int) -> None:
+        with self.lock:
+            self._short[kind] = n
+
     def fail_next(self, n: int) -> None:
         with self.lock:
             self._fail = n
@@ -99,6 +112,14 @@ class CountingProxy:
             if fail:
                 self._fail -= 1
             refused = h.command in ("PUT", "POST") and unquote(obj) in self._refused
+            left, stall = self._stall.get(kind, (0, 0.0))
+            if left:
+                self._stall[kind] = (left - 1, stall)
+            short = self._short.get(kind, 0) > 0
+            if short:
+                self._short[kind] -= 1
+        if left:
+            time.sleep(stall)
         if refused:
             self._error(h, 403, "AccessDenied")
             return
@@ -120,6 +141,8 @@ class CountingProxy:
                 self._local.conn = None
                 if attempt:
                     raise
+        if short:
+            data = data[:len(data) // 2]
         h.send_response_only(resp.status, resp.reason)
         for k, v in resp.getheaders():
             if k.lower() not in _HOP:

@@ -278,3 +278,64 @@ def test_a_peer_name_standing_for_several_nodes_is_resolved(s3, bucket, cluster)
     port = a.addr.rsplit(":", 1)[1]  # type: ignore[attr-defined]
     b = cluster.add(peers=f"localhost:{port}")
     cluster.wait_members([a, b], 2)
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses a TCP port is listened on (from /proc/net/tcp)."""
+    out = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            ip_hex, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:  # LISTEN
+                out.add(socket.inet_ntoa(struct.pack("<I", int(ip_hex, 16))))
+    return out
+
+
+def _closed_by_peer(s: socket.socket, within: float) -> bool:
+    s.settimeout(within)
+    try:
+        return s.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_the_raft_port_resists_idle_floods_and_huge_frames(cluster):  # type: ignore
+    """The Raft port binds the --listen host, closes connections that do not authenticate
+    within seconds, caps them per address, and drops a frame announcing 2 GiB at once;
+    meanwhile the cluster commits."""
+    a, b = cluster.add(), cluster.add()
+    raft_addr = cluster.wait_raft([a, b], 2)[0]["self"]
+    host, port = raft_addr.rsplit(":", 1)
+    assert _listening(int(port)) == {"127.0.0.1"}
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(40)]
+    try:
+        t0 = time.monotonic()
+        # beyond 16 pending connections from one address, the rest are closed at once
+        closed: set[int] = set()
+        while len(closed) < 24 and time.monotonic() - t0 < 4:
+            closed |= {i for i, s in enumerate(idle) if i not in closed
+                       and _closed_by_peer(s, 0.01)}
+        assert len(closed) >= 20, len(closed)
+        (a.mnt / "during.txt").write_bytes(b"committed")  # a Raft commit meanwhile
+        assert (b.mnt / "during.txt").read_bytes() == b"committed"
+        # the silent ones go after the authentication deadline (5 s)
+        assert all(_closed_by_peer(s, 10) for i, s in enumerate(idle) if i not in closed)
+        assert time.monotonic() - t0 < 15
+    finally:
+        for s in idle:
+            s.close()
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(struct.pack("i", 0x7FFFFFFF))
+        t0 = time.monotonic()
+        try:
+            for _ in range(200):
+                s.sendall(os.urandom(64 * 1024))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert _closed_by_peer(s, 5) and time.monotonic() - t0 < 5
+    (a.mnt / "after.txt").write_bytes(b"still committing")
+    assert (b.mnt / "after.txt").read_bytes() == b"still committing"
+    cluster.wait_raft([a, b], 2)

@@ -7,6 +7,7 @@ import errno
 import json
 import mmap
 import os
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -353,3 +354,78 @@ def test_a_key_s3_refuses_is_quarantined_and_umount_finishes(s3, bucket, proxy, 
     note = json.loads(notes[0].read_text())
     assert note["key"] == "bad.bin" and "AccessDenied" in note["error"]
     assert (notes[0].parent / note["data"]).read_bytes() == data
+
+
+def test_a_list_cut_short_is_retried_not_eio(s3, bucket, proxy, tmp_path):  # type: ignore
+    """A LIST whose body ends early (it does not parse) is a transient failure: retried,
+    never EIO in opendir or lookup."""
+    for i in range(5):
+        s3.put_object(Bucket=bucket, Key=f"d/f{i}", Body=b"x")
+    m = Mount(proxy.endpoint, bucket, tmp_path / "mnt", tmp_path / "cache").start()
+    try:
+        proxy.reset()
+        proxy.short_next("LIST", 2)
+        assert sorted(os.listdir(m.mnt / "d")) == [f"f{i}" for i in range(5)]
+        assert proxy.requests["LIST"] >= 3
+        assert m.status()["s3"]["retries"].get("list", 0) >= 2
+    finally:
+        m.stop()
+
+
+def test_a_stalled_get_leaves_room_for_more_attempts(s3, bucket, proxy, tmp_path):  # type: ignore
+    """A GET that stalls is abandoned after a per-attempt timeout that leaves room for
+    several attempts in --s3-retry-seconds, instead of using up the budget on one."""
+    data = os.urandom(MiB)
+    s3.put_object(Bucket=bucket, Key="slow.bin", Body=data)
+    cfg = tmp_path / "objcache.toml"
+    cfg.write_text("s3-retry-seconds = 12\n")
+    m = Mount(proxy.endpoint, bucket, tmp_path / "mnt", tmp_path / "cache",
+              "--config", str(cfg)).start()
+    try:
+        os.stat(m.mnt / "slow.bin")
+        proxy.stall_next("GET_OBJECT", 1, 40)
+        t0 = time.monotonic()
+        assert (m.mnt / "slow.bin").read_bytes() == data
+        assert time.monotonic() - t0 < 12
+    finally:
+        m.stop()
+
+
+@pytest.fixture
+def small_disk(tmp_path):  # type: ignore
+    """A 96 MiB tmpfs as the cache dir's filesystem (needs root: skipped otherwise)."""
+    path = tmp_path / "small"
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(path)],
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_cache_disk_smaller_than_cache_size_evicts_instead_of_failing(
+        s3, bucket, mount, small_disk):  # type: ignore
+    """--cache-size 1G on a 96 MiB disk: the cache holds what the disk can (less a
+    reserve for its database), evicts clean chunks for writes, and never fails a write or
+    a close with ENOSPC/EIO; after a restart it still works."""
+    for i in range(16):
+        s3.put_object(Bucket=bucket, Key=f"r{i}", Body=os.urandom(5 * MiB))
+    m = mount(*SMALL_CHUNKS, "--cache-size", "1G", cache=small_disk / "c")
+    assert m.status()["cache"]["capacity_bytes"] < 96 * MiB
+    for i in range(16):
+        (m.mnt / f"r{i}").read_bytes()
+    data = os.urandom(32 * MiB)
+    (m.mnt / "w.bin").write_bytes(data)
+    objcache("flush", str(m.mnt))
+    assert s3_body(s3, bucket, "w.bin") == data
+    assert m.status()["dirty"]["files"] == 0
+    assert not m.errors_in_log()
+    m.stop()
+    m2 = mount(*SMALL_CHUNKS, "--cache-size", "1G", cache=small_disk / "c", mnt=m.mnt)
+    assert m2.status()["dirty"]["files"] == 0
+    (m2.mnt / "w2.bin").write_bytes(data)
+    objcache("flush", str(m2.mnt))
+    assert s3_body(s3, bucket, "w2.bin") == data

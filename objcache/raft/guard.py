@@ -1,0 +1,139 @@
+"""The Raft port's defences: what objcache.cluster.peers does for the peer port.
+
+pysyncobj's TCP transport, as shipped, binds 0.0.0.0 whatever the node's address, keeps a
+connection that never says anything open forever (only traffic checks its timeout),
+buffers whatever length a frame header claims (a 2 GiB header makes it collect, and copy,
+2 GiB), and stops listening for good when accept() fails (EMFILE). Here:
+- the server binds the node's own Raft address (the --listen host);
+- a connection must authenticate (its first frame decrypts with the cluster secret) within
+  AUTH_SECONDS, or it is closed; at most MAX_PENDING_PER_ADDRESS such connections per
+  remote address;
+- a frame header is checked before anything is buffered: MAX_FIRST_FRAME before
+  authentication, MAX_FRAME after;
+- a failed accept() is logged and skipped, never the end of the listener.
+These subclasses override pysyncobj 0.3.17's private methods (the version is pinned in
+pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import struct
+import time
+from typing import Any
+
+from pysyncobj.poller import POLL_EVENT_TYPE
+from pysyncobj.tcp_connection import TcpConnection
+from pysyncobj.tcp_server import TcpServer
+from pysyncobj.transport import TCPTransport
+
+log = logging.getLogger(__name__)
+
+AUTH_SECONDS = 5.0
+MAX_PENDING_PER_ADDRESS = 16
+MAX_FIRST_FRAME = 64 << 10  # the first frame is a 32-byte key, encrypted
+MAX_FRAME = 256 << 20  # commands are at most 16 MiB (appendEntriesBatchSizeBytes)
+
+
+class GuardedConnection(TcpConnection):  # type: ignore[misc]
+    """An accepted connection whose frame headers are checked before buffering."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.accepted_at = time.monotonic()
+        self.authenticated = False
+        sock = kwargs.get("socket")
+        try:
+            self.peer = sock.getpeername()[0] if sock is not None else ""
+        except OSError:
+            self.peer = ""
+
+    def _TcpConnection__processRead(self) -> bool:
+        more = bool(TcpConnection._TcpConnection__processRead(self))
+        buf = self._TcpConnection__readBuffer
+        if len(buf) >= 4:
+            (n,) = struct.unpack("i", buf[:4])
+            cap = MAX_FRAME if self.authenticated else MAX_FIRST_FRAME
+            if not 0 <= n <= cap:
+                log.warning("raft port: dropped a connection from %s announcing a %d-byte "
+                            "frame (limit %d)", self.peer or "?", n, cap)
+                self.disconnect()
+                return False
+        return more
+
+
+class GuardedServer(TcpServer):  # type: ignore[misc]
+    """Accepts GuardedConnections; a failed accept() is not the end of the listener."""
+
+    def _TcpServer__onNewConnection(self, descr: int, event: int) -> None:
+        if event & POLL_EVENT_TYPE.READ:
+            try:
+                sock, _ = self._TcpServer__socket.accept()
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    log.warning("raft port: accept failed: %s", e.strerror)
+                return
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                self._TcpServer__sendBufferSize)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF,
+                                self._TcpServer__recvBufferSize)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setblocking(False)
+                conn = GuardedConnection(
+                    poller=self._TcpServer__poller, socket=sock,
+                    timeout=self._TcpServer__connectionTimeout,
+                    sendBufferSize=self._TcpServer__sendBufferSize,
+                    recvBufferSize=self._TcpServer__recvBufferSize,
+                    keepalive=self._TcpServer__keepalive)
+            except OSError as e:
+                log.warning("raft port: could not set up a connection: %s", e.strerror)
+                sock.close()
+                return
+            self._TcpServer__onNewConnectionCallback(conn)
+        if event & POLL_EVENT_TYPE.ERROR:
+            log.warning("raft port: the listening socket reported an error")
+
+
+class GuardedTransport(TCPTransport):  # type: ignore[misc]
+    """pysyncobj's TCP transport with the defences above (SyncObj's transportClass)."""
+
+    def _createServer(self) -> None:
+        conf = self._syncObj.conf
+        host, port = (conf.bindAddress or self._selfNode.address).rsplit(":", 1)
+        self._server = GuardedServer(self._syncObj._poller, host.strip("[]"), port,
+                                     onNewConnection=self._onNewIncomingConnection,
+                                     sendBufferSize=conf.sendBufferSize,
+                                     recvBufferSize=conf.recvBufferSize,
+                                     connectionTimeout=conf.connectionTimeout)
+
+    def _onNewIncomingConnection(self, conn: GuardedConnection) -> None:
+        pending = sum(1 for c in self._unknownConnections
+                      if isinstance(c, GuardedConnection) and c.peer == conn.peer)
+        if pending >= MAX_PENDING_PER_ADDRESS:
+            log.warning("raft port: %s has %d connections that have not authenticated; "
+                        "refusing another", conn.peer, pending)
+            conn.disconnect()
+            return
+        super()._onNewIncomingConnection(conn)
+
+    def _onIncomingMessageReceived(self, conn: Any, message: Any) -> None:
+        # Only a frame that decrypted with the cluster secret gets here.
+        if isinstance(conn, GuardedConnection):
+            conn.authenticated = True
+        super()._onIncomingMessageReceived(conn, message)
+
+    def _onTick(self) -> None:
+        super()._onTick()
+        if self._server is not None and not self._ready:
+            return
+        now = time.monotonic()
+        for conn in list(self._unknownConnections):
+            if (isinstance(conn, GuardedConnection)
+                    and now - conn.accepted_at > AUTH_SECONDS):
+                log.info("raft port: closed a connection from %s that did not identify "
+                         "itself within %.0fs", conn.peer or "?", AUTH_SECONDS)
+                conn.disconnect()
+                self._unknownConnections.discard(conn)
