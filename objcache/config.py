@@ -251,7 +251,7 @@ def startup_warnings(cfg: MountConfig) -> list[str]:
     if st is not None:
         total = st.f_blocks * st.f_frsize
         room = total - disk_reserve(total)
-        if cfg.cache_size > room:
+        if total > 0 and cfg.cache_size > room:  # (0: a pseudo filesystem; fails later)
             out.append(f"cache-size {cfg.cache_size} is more than the filesystem of "
                        f"{cache_dir} holds ({total} bytes); the cache uses at most what is "
                        f"free there, less a reserve of {disk_reserve(total)} bytes")

@@ -46,7 +46,14 @@ from objcache.config import MountConfig, startup_warnings
 from objcache.control import ControlChannel
 from objcache.core.filesystem import Filesystem
 from objcache.errors import ObjcacheError, StoreRefused, UserError, unwrap
-from objcache.fs.operations import KernelNotifier, Operations, mount_options, set_read_ahead
+from objcache.fs import watchdog
+from objcache.fs.operations import (
+    KernelNotifier,
+    Operations,
+    mount_device,
+    mount_options,
+    set_read_ahead,
+)
 from objcache.status import ClusterStatus, MemberStatus, NoCluster, NodeRow, NodeStatus
 from objcache.store import ObjectStore
 from objcache.store.s3 import S3Store
@@ -325,6 +332,9 @@ class Daemon:
             await parts.start(nursery)
             pyfuse3.init(self.ops, self.mountpoint, mount_options(self.cfg.allow_other))
             self._mounted = True
+            dev = mount_device(self.mountpoint)
+            if dev is not None:  # (from this, the main thread: its exit arms the watchdog)
+                watchdog.start(self.mountpoint, dev)
             nursery.start_soon(self._signals)
             nursery.start_soon(self._after_init)
             ready()

@@ -761,6 +761,10 @@ class Filesystem:
         """A snapshot of the directory, sorted by name (the handle pages through it)."""
         d = self._dir(ino)
         await self.sync()  # a listing shows every change committed before it
+        if d.detached:
+            # Renamed or removed (on another node) before this listing: not an empty
+            # directory, no directory at all.
+            raise NotFound(f"directory inode {ino} was moved or removed")
         children = await self._list(d)
         out = []
         for name in sorted(children):
@@ -1293,11 +1297,29 @@ class Filesystem:
                 if inode is not None:
                     self._gone(inode)
                 continue
+            if inode is not None and self._keeps_version(inode, ch.entry):
+                # Handles open here keep reading the version they opened (NFS-like): that
+                # inode leaves the name, which a new inode shows from now on.
+                pino = self.by_key.get(parent_key(k))
+                self._detach(inode)
+                if pino is not None:
+                    self.notify.entry(pino, k.rpartition("/")[2])
+                inode = None
             if inode is not None:
                 self._show(inode, ch.entry)
                 self.notify.inode(inode.ino)
             else:
                 self._add_listed(k, ch.entry, is_dir)
+
+    def _keeps_version(self, inode: Inode, e: FileEntry | DirEntry) -> bool:
+        """Whether `e` changes the content of a file that handles here have open for
+        reading (without a working copy: those read what this node writes)."""
+        if not isinstance(e, FileEntry) or inode.is_dir:
+            return False
+        old = inode.overlay
+        if isinstance(old, FileEntry) and old.content == e.content:
+            return False  # an attribute change: same bytes
+        return any(h.inode is inode and h.lf is None for h in self.handles.values())
 
     def _gone(self, inode: Inode) -> None:
         pino = self.by_key.get(parent_key(inode.key))

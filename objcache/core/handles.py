@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from objcache.entries import FileEntry, ObjectRef
-from objcache.errors import NotFound, PeerError
+from objcache.errors import NotFound, PeerError, StaleObject
 
 if TYPE_CHECKING:
     from objcache.backend.base import Backend
@@ -94,6 +94,10 @@ class BlobSource:
             return await self.backend.read_blob(self.entry, offset, n)
         except (PeerError, NotFound):
             inode = self.inode
+            if inode.detached or (inode.overlay is not self.entry
+                                  and inode.overlay is not None):
+                # Replaced since it was opened, and its blob is gone: never other bytes.
+                raise StaleObject(f"{inode.key}: replaced while open") from None
             if inode.overlay is not None or not inode.etag:
                 raise
             return await self.router.read(inode.key, inode.etag, self.size, offset, n)

@@ -316,6 +316,19 @@ def mount_options(allow_other: bool) -> set[str]:
     return opts
 
 
+def mount_device(mountpoint: str) -> str | None:
+    """MAJOR:MINOR of the topmost mount at `mountpoint` (a resolved path), from
+    /proc/self/mountinfo: never a stat of the mount, which would need our own FUSE loop.
+    For FUSE the minor number is the connection's id under /sys/fs/fuse/connections."""
+    dev = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            if parts[4] == mountpoint:
+                dev = parts[2]  # keep the last match: the topmost mount
+    return dev
+
+
 def set_read_ahead(mountpoint: str, kb: int = 1024) -> None:
     """Raise the mount's readahead so the kernel sends 1 MiB reads instead of 128 KiB.
 
@@ -323,16 +336,10 @@ def set_read_ahead(mountpoint: str, kb: int = 1024) -> None:
     mountpoint would need the FUSE loop that is not running yet; for the same reason
     `mountpoint` must already be a resolved path (realpath() would stat it).
     """
-    real = mountpoint
-    dev = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            parts = line.split()
-            if parts[4] == real:
-                dev = parts[2]  # keep the last match: the topmost mount
+    dev = mount_device(mountpoint)
     try:
         if dev is None:
-            raise OSError(f"{real} is not in /proc/self/mountinfo")
+            raise OSError(f"{mountpoint} is not in /proc/self/mountinfo")
         with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
             f.write(str(kb))
     except OSError as e:

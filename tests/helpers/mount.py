@@ -33,6 +33,22 @@ def objcache(*args: str, check: bool = True, timeout: float = 120,
     return r
 
 
+def abort_fuse(path: Path) -> None:
+    """Abort the FUSE connection of the mount at `path` (fusectl), failing whatever
+    waits on it; what an operator does for a daemon that cannot exit."""
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        devs = [line.split()[2] for line in f if line.split()[4] == real]
+    ctl = Path("/sys/fs/fuse/connections")
+    if not any(ctl.iterdir()):
+        subprocess.run(["mount", "-t", "fusectl", "none", str(ctl)], capture_output=True)
+    for dev in devs:
+        try:
+            (ctl / dev.split(":")[1] / "abort").write_text("1")
+        except OSError:
+            pass
+
+
 def is_mounted(path: Path) -> bool:
     real = os.path.realpath(path)
     with open("/proc/self/mountinfo") as f:
@@ -73,11 +89,20 @@ class Mount:
     def status(self) -> dict[str, Any]:
         return json.loads(objcache("status", str(self.mnt), "--json").stdout)
 
-    def kill9(self) -> None:
+    def kill9(self) -> bool:
+        """kill -9 the daemon; False if it did not die within 5 s (a thread stuck in the
+        kernel on its own mount), in which case its FUSE connection is aborted to end it."""
         assert self.proc is not None
         self.proc.kill()
-        self.proc.wait(10)
+        died = True
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            died = False
+            abort_fuse(self.mnt)
+            self.proc.wait(10)
         subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+        return died
 
     def wait_exit(self, timeout: float = 60) -> int:
         assert self.proc is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -109,3 +110,39 @@ def test_cli_on_a_path_that_is_not_a_mount(tmp_path):  # type: ignore
     assert r.returncode != 0 and "not inside an objcache mount" in r.stderr
     r = objcache("umount", str(tmp_path), check=False)
     assert r.returncode != 0 and "not mounted" in r.stderr
+
+
+def test_more_bad_input_gets_one_line(mnt, tmp_path):  # type: ignore
+    """Each refused before anything starts, with one line naming the cause (no traceback,
+    no usage block, no botocore regex)."""
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(bytes(range(256)) * 4)
+    assert "not TOML" in _mount_fails(["s3://b", str(mnt), "--config", str(binary)])
+    assert "--cache-size" in _mount_fails(["s3://b", str(mnt), "--cache-size", "-5G"])
+    assert "invalid cache-size '-5G'" in _mount_fails(
+        ["s3://b", str(mnt), "--cache-size=-5G"])
+    assert "invalid endpoint-url 'not-a-url'" in _mount_fails(
+        ["s3://b", str(mnt), "--endpoint-url", "not-a-url"])
+    msg = _mount_fails(["s3://Bad_Bucket!!", str(mnt)])
+    assert "invalid bucket name 'Bad_Bucket!!'" in msg and "regex" not in msg
+    assert "cannot write the log file" in _mount_fails(
+        ["s3://b", str(mnt), "--cache-dir", "/proc/objcache-test/c"])
+
+
+def test_warnings_for_a_huge_cache_size_and_a_readable_secret(seaweed, mnt, tmp_path):  # type: ignore
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o644)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = objcache("mount", "s3://no-such-bucket-xyz", str(mnt), "--endpoint-url",
+                 seaweed.endpoint, "--cache-dir", str(tmp_path / "c"), "--cache-size", "100P",
+                 "--listen", f"127.0.0.1:{port}", "--cluster-secret-file", str(secret),
+                 check=False, timeout=60)
+    assert r.returncode != 0
+    lines = r.stderr.splitlines()
+    assert any("warning: cache-size" in ln and "more than the filesystem" in ln
+               for ln in lines), r.stderr
+    assert any("warning: cluster secret file" in ln and "chmod 600" in ln
+               for ln in lines), r.stderr

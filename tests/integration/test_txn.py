@@ -8,6 +8,7 @@ import errno
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import threading
@@ -347,3 +348,67 @@ def test_a_member_restarted_before_the_others_writes_back_and_flush_never_hangs(
     assert all(m.status()["dirty"]["files"] == 0 for m in nodes)
     out = objcache("flush", str(nodes[0].mnt), check=False, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_an_open_reader_keeps_its_version_when_another_node_overwrites(
+        cluster):  # type: ignore[no-untyped-def]
+    """B overwrites a file that C has open and half read: C's handle goes on reading the
+    version it opened, whole (its size too), or gets ESTALE, never mixed or cut bytes; a
+    new open on C sees the new version."""
+    b, c = cluster.add(*WB), cluster.add(*WB)
+    cluster.wait_raft([b, c], 2)
+    rng = random.Random(7)
+    for i in range(8):
+        old = os.urandom(rng.choice([3, 2, 1]) * MiB + rng.randrange(4096))
+        new = os.urandom(rng.choice([1, 2, 4]) * MiB + rng.randrange(4096))
+        (b.mnt / "f").write_bytes(old)
+        with open(c.mnt / "f", "rb") as f:
+            head = f.read(MiB // 2)
+            (b.mnt / "f").write_bytes(new)
+            time.sleep(0.05)  # C has applied the change
+            try:
+                rest = f.read()
+                assert head + rest == old, (i, len(old), len(new), len(head + rest))
+                assert os.fstat(f.fileno()).st_size == len(old)
+            except OSError as e:
+                assert e.errno == errno.ESTALE, e
+        assert (c.mnt / "f").read_bytes() == new
+
+
+def test_a_directory_rename_is_atomic_to_listings_on_other_nodes(
+        cluster):  # type: ignore[no-untyped-def]
+    """A renames a 100-entry directory back and forth while B lists both names: every
+    listing is the whole directory or ENOENT, never part of it, never empty."""
+    a, b = cluster.add(*WB), cluster.add(*WB)
+    cluster.wait_raft([a, b], 2)
+    (a.mnt / "x").mkdir()
+    for i in range(100):
+        (a.mnt / "x" / f"f{i:03d}").write_bytes(b"x")
+    want = sorted(f"f{i:03d}" for i in range(100))
+    stop = threading.Event()
+    bad: list[tuple[str, int]] = []
+    listings = 0
+
+    def lister() -> None:
+        nonlocal listings
+        while not stop.is_set():
+            for name in ("x", "y"):
+                try:
+                    got = sorted(os.listdir(b.mnt / name))
+                except FileNotFoundError:
+                    continue
+                listings += 1
+                if got != want:
+                    bad.append((name, len(got)))
+
+    t = threading.Thread(target=lister)
+    t.start()
+    try:
+        for i in range(16):
+            os.rename(a.mnt / ("x" if i % 2 == 0 else "y"), a.mnt / ("y" if i % 2 == 0 else "x"))
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        t.join(30)
+    assert listings > 50
+    assert not bad, bad[:10]
