@@ -3,10 +3,10 @@ while members are killed and restarted (once all at the same moment) and stopped
 acknowledged file is then readable byte-exact everywhere and in S3. scripts/chaos.py runs
 long ones, many in a row.
 
-Not in the default suite yet (OBJCACHE_CHAOS=1 runs it): one run in fourteen so far found
-two acknowledged files with other bytes after a SIGSTOP and a kill -9 of every node, not
-explained yet (issue 18); a suite that fails one run in fourteen would block every
-change."""
+Not in the default suite yet (OBJCACHE_CHAOS=1 runs it): 2 of 17 runs so far failed (two
+acknowledged files with other bytes after a SIGSTOP and a kill -9 of every node; a listing
+missing a file being written back), open in issue 18; a suite failing that often would
+block every change."""
 
 from __future__ import annotations
 
