@@ -33,21 +33,14 @@ PR_SET_PDEATHSIG = 1
 
 
 def start(mountpoint: str, dev: str) -> subprocess.Popen[bytes] | None:
-    """Start the watchdog of the mount at `mountpoint` (device MAJOR:MINOR)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = os.getpid()
-
-    def arm() -> None:  # in the child, before exec: blocked until the watchdog waits for it
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
-
+    """Start the watchdog of the mount at `mountpoint` (device MAJOR:MINOR). Called from
+    the daemon's main thread: the kernel signals the watchdog when that thread exits."""
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "objcache.fs.watchdog", mountpoint, dev, str(parent)],
-            preexec_fn=arm, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True)
+            [sys.executable, "-m", "objcache.fs.watchdog", mountpoint, dev,
+             str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
     except OSError as e:
         log.warning("could not start the FUSE watchdog (a daemon killed mid-notification "
                     "could leave the mount hung): %s", e)
@@ -67,10 +60,17 @@ def _abort(dev: str) -> None:
 
 
 def _run() -> None:
+    import ctypes
+
     mountpoint, dev, parent = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGTERM, signal.SIGINT})
+    # Set here rather than between fork and exec in the daemon (a multi-threaded process,
+    # where the child may only call async-signal-safe code); blocked first, then armed,
+    # then the parent checked, so a daemon dying at any moment is seen.
+    wanted = {signal.SIGUSR1, signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
     if os.getppid() == parent:
-        signal.sigwait({signal.SIGUSR1, signal.SIGTERM, signal.SIGINT})
+        signal.sigwait(wanted)
     if _still_mounted(mountpoint, dev):
         try:
             _abort(dev)
