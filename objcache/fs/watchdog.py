@@ -52,11 +52,18 @@ def _still_mounted(mountpoint: str, dev: str) -> bool:
         return any(line.split()[4] == mountpoint and line.split()[2] == dev for line in f)
 
 
-def _abort(dev: str) -> None:
+def abort_connection(dev: str) -> None:
+    """Abort the FUSE connection of device MAJOR:MINOR: whatever waits on it gets
+    ENOTCONN. Mounts fusectl for it when it is not mounted, and unmounts it after."""
+    mounted_here = False
     if not CONNECTIONS.is_dir() or not any(CONNECTIONS.iterdir()):
-        subprocess.run(["mount", "-t", "fusectl", "none", str(CONNECTIONS)],
-                       capture_output=True)
-    (CONNECTIONS / dev.split(":")[1] / "abort").write_text("1")
+        mounted_here = subprocess.run(["mount", "-t", "fusectl", "none", str(CONNECTIONS)],
+                                      capture_output=True).returncode == 0
+    try:
+        (CONNECTIONS / dev.split(":")[1] / "abort").write_text("1")
+    finally:
+        if mounted_here:
+            subprocess.run(["umount", str(CONNECTIONS)], capture_output=True)
 
 
 def _run() -> None:
@@ -73,7 +80,7 @@ def _run() -> None:
         signal.sigwait(wanted)
     if _still_mounted(mountpoint, dev):
         try:
-            _abort(dev)
+            abort_connection(dev)
         except OSError:
             pass
 

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from objcache.fs.operations import mount_device
+from objcache.fs.watchdog import abort_connection
 from tests.helpers.seaweed import ACCESS_KEY, SECRET_KEY
 
 
@@ -36,15 +38,10 @@ def objcache(*args: str, check: bool = True, timeout: float = 120,
 def abort_fuse(path: Path) -> None:
     """Abort the FUSE connection of the mount at `path` (fusectl), failing whatever
     waits on it; what an operator does for a daemon that cannot exit."""
-    real = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        devs = [line.split()[2] for line in f if line.split()[4] == real]
-    ctl = Path("/sys/fs/fuse/connections")
-    if not any(ctl.iterdir()):
-        subprocess.run(["mount", "-t", "fusectl", "none", str(ctl)], capture_output=True)
-    for dev in devs:
+    dev = mount_device(os.path.realpath(path))
+    if dev is not None:
         try:
-            (ctl / dev.split(":")[1] / "abort").write_text("1")
+            abort_connection(dev)
         except OSError:
             pass
 
