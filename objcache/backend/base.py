@@ -69,6 +69,19 @@ class Stats:
     quarantined: int = 0  # files S3 refused for good, kept in the cache dir's lost+found/
 
 
+@dataclass(frozen=True, slots=True)
+class NsView:
+    """What the backend records below a prefix, taken under one lock: live entries (in key
+    order) and the keys hidden by tombstones (deleted from the namespace, maybe still in
+    S3)."""
+
+    live: list[tuple[str, FileEntry | DirEntry]]
+    hidden: frozenset[str]
+
+
+NO_VIEW = NsView([], frozenset())
+
+
 # The attributes the core knows for a key (from a HEAD), if any.
 AttrsOf = Callable[[str], Attrs | None]
 
@@ -94,8 +107,8 @@ class Backend(Protocol):
         """Whether any live entry lies below `prefix` (which ends in "/")."""
         ...
 
-    def entries_under(self, prefix: str) -> list[tuple[str, FileEntry | DirEntry]]:
-        """Live entries below `prefix`, in key order."""
+    def view_under(self, prefix: str) -> NsView:
+        """Live entries and tombstoned keys below `prefix`, at one moment."""
         ...
 
     async def sync(self) -> bool:

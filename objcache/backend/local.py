@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from objcache.backend.base import AttrsOf, Change, Moved, Stats
+from objcache.backend.base import NO_VIEW, AttrsOf, Change, Moved, NsView, Stats
 from objcache.backend.writeback import Writeback
 from objcache.cache.localfiles import LocalFile, LocalFiles
 from objcache.cache.quarantine import Quarantine
@@ -58,8 +58,8 @@ class LocalBackend:
     def live_under(self, prefix: str) -> bool:
         return False
 
-    def entries_under(self, prefix: str) -> list[tuple[str, FileEntry | DirEntry]]:
-        return []
+    def view_under(self, prefix: str) -> NsView:
+        return NO_VIEW
 
     async def sync(self) -> bool:
         return False  # S3 and this node are all there is

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from objcache.backend.base import AttrsOf, Change, Moved, Stats
+from objcache.backend.base import AttrsOf, Change, Moved, NsView, Stats
 from objcache.backend.staging import Stager
 from objcache.entries import (
     Attrs,
@@ -106,10 +106,12 @@ class ReplicatedBackend:
         with st.lock:
             return st.ns.live_under(prefix)
 
-    def entries_under(self, prefix: str) -> list[tuple[str, FileEntry | DirEntry]]:
+    def view_under(self, prefix: str) -> NsView:
         st = self.txn.state
         with st.lock:
-            return [(k, e) for k, e in st.ns.under(prefix) if not isinstance(e, Tombstone)]
+            under = list(st.ns.under(prefix))
+        return NsView([(k, e) for k, e in under if not isinstance(e, Tombstone)],
+                      frozenset(k for k, e in under if isinstance(e, Tombstone)))
 
     async def sync(self) -> bool:
         await self.txn.barrier()

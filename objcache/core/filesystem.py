@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from objcache import CTRL_NAME
-from objcache.backend.base import Backend, Change, Moved
+from objcache.backend.base import Backend, Change, Moved, NsView
 from objcache.cache.localfiles import LocalFile, LocalFiles
 from objcache.config import MountConfig
 from objcache.core.handles import EMPTY, BlobSource, FileHandle, ObjectSource, Source
@@ -79,6 +79,9 @@ RELIST_AFTER_STALE_LOOKUPS = 16
 # Directories the kernel forgot keep their listings while fewer inodes than this are known
 # (an inode is a few hundred bytes).
 MAX_KEPT_INODES = 200_000
+# How long a removal is remembered against LISTs that read S3 before it (a listing of
+# a big directory takes seconds; none takes this long).
+REMOVED_MEMORY = 600.0
 # A stat of a file known only from a LIST costs a HEAD (S3 lists no metadata). After this
 # many such stats in one listed directory (`ls -l`, `du`, a reader opening its files) the
 # rest of the directory is HEADed in the background, META_PREFETCH at a time, in listing
@@ -198,6 +201,9 @@ class Filesystem:
         self._background: trio.Nursery | None = None
         self._meta_prefetching: dict[int, _MetaPrefetch] = {}  # by directory inode
         self._making: dict[str, trio.Event] = {}  # working copies being made, by key
+        # When names were removed (monotonic), so that a LIST that read S3 before a
+        # removal does not bring the name back; kept for REMOVED_MEMORY seconds.
+        self._removed: dict[str, float] = {}
         root = Inode(ROOT_INO, "", DEFAULT_DIR_MODE, self.uid, self.gid)
         root.mtime_ns = time.time_ns()
         root.lookups = 1
@@ -306,6 +312,7 @@ class Filesystem:
             raise ReadOnly("mounted read-only")
 
     def _forget_child(self, inode: Inode) -> None:
+        self._removed[inode.key] = time.monotonic()
         parent = self._parent_of(inode.key)
         if parent is not None and parent.children is not None:
             parent.children.pop(inode.key.rpartition("/")[2], None)
@@ -690,12 +697,19 @@ class Filesystem:
             return d.children
         started = time.monotonic()
         prefix = f"{d.key}/" if d.key else ""
+        # The namespace as it was before the LIST: a file whose write-back finished while
+        # the LIST ran has left the namespace and may not be in the LIST either, and an
+        # object deleted meanwhile may still be in it, with its tombstone gone.
+        before = self.backend.view_under(prefix)
         found: dict[str, ObjectInfo | None] = {}
+        hidden_listed: list[str] = []
         async for page in self.store.list_dir(prefix):
             for o in page.objects:
                 name = o.key[len(prefix):]
                 if not name:
                     d.in_s3 = True  # the directory's own marker
+                elif o.key in before.hidden:
+                    hidden_listed.append(o.key)
                 elif _valid_listed(name) and name not in found:
                     found[name] = o
             for p in page.prefixes:
@@ -715,7 +729,10 @@ class Filesystem:
                     inode = self._new_inode(key, DEFAULT_FILE_MODE)
                 inode = self._apply_info(inode, info)
             children[name] = inode.ino
-        self._merge_unlisted(d, children)
+        now = self.backend.view_under(prefix)
+        self._merge_unlisted(d, children, now)
+        listed = {prefix + name for name in found} | set(hidden_listed)
+        await self._changed_while_listing(d, children, before, now, listed, started)
         for name, ino in (d.children or {}).items():
             inode = self.inodes.get(ino)
             if name not in children and inode is not None and inode.created >= started:
@@ -731,7 +748,42 @@ class Filesystem:
         d.stale_lookups = d.meta_misses = d.read_children = 0
         return children
 
-    def _merge_unlisted(self, d: Inode, children: dict[str, int]) -> None:
+    async def _changed_while_listing(self, d: Inode, children: dict[str, int],
+                                     before: NsView, now: NsView, listed: set[str],
+                                     started: float) -> None:
+        """Settle, with a HEAD each, the few keys whose state changed while the LIST ran
+        and that the listing may therefore show wrongly: entries that left the namespace
+        (uploaded, or removed), listed objects whose tombstone went (deleted from S3, or
+        written again) and listed names removed here meanwhile."""
+        prefix = f"{d.key}/" if d.key else ""
+        settled = {k for k, _ in now.live} | now.hidden
+        doubtful = {k for k, _ in before.live if k not in settled}
+        doubtful |= {k for k in listed if k not in settled
+                     and (k in before.hidden or self._removed.get(k, -1.0) >= started)}
+        if len(self._removed) > 1024:
+            old = time.monotonic() - REMOVED_MEMORY
+            self._removed = {k: t for k, t in self._removed.items() if t >= old}
+        for key in sorted(doubtful):
+            name, sep, _ = key[len(prefix):].partition("/")
+            k = prefix + name
+            if not _valid_listed(name) or k in self.local.by_key:
+                continue
+            if name in children and k not in listed:
+                continue  # the namespace shows it
+            children.pop(name, None)
+            if not sep and (info := await self.store.head(k)) is not None:
+                inode = self._by_key(k)
+                if inode is None or inode.is_dir:
+                    inode = self._new_inode(k, DEFAULT_FILE_MODE)
+                children[name] = self._apply_info(inode, info).ino
+            elif await self.store.has_prefix(k + "/"):
+                inode = self._by_key(k)
+                if inode is None or not inode.is_dir:
+                    inode = self._new_inode(k, DEFAULT_DIR_MODE)
+                inode.in_s3 = True
+                children[name] = inode.ino
+
+    def _merge_unlisted(self, d: Inode, children: dict[str, int], view: NsView) -> None:
         """Add to a fresh listing what S3 does not show yet: working copies on this node
         and the backend's entries."""
         for key in self.local.by_key:
@@ -739,7 +791,7 @@ class Filesystem:
                 inode = self._by_key(key) or self._new_inode(key, DEFAULT_FILE_MODE)
                 children[key.rpartition("/")[2]] = inode.ino
         prefix = f"{d.key}/" if d.key else ""
-        for k, e in self.backend.entries_under(prefix):
+        for k, e in view.live:
             rest = k[len(prefix):]
             if not rest:
                 continue

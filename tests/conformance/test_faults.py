@@ -188,3 +188,53 @@ async def test_a_refused_key_is_retried_then_quarantined_in_the_background(
         assert not await b.exists("bad.bin")  # the name shows S3's (no) version again
         assert sum(n.backend.stats().quarantined for n in nodes) == 1
         assert store.inner.objects["good.bin"][0] == b"good"
+
+
+async def test_a_listing_shows_a_file_whose_write_back_finished_while_it_ran(env: Env
+                                                                             ) -> None:
+    """S3's LIST answers what it held when it read: a file uploaded just after that has
+    left the namespace overlay by the time the answer arrives. The listing still shows it,
+    and again when asked later."""
+    await env.a.mkdir("d")
+    await env.a.write("d/old", b"o")
+    await env.flush()
+    await env.a.write("d/f", b"acknowledged")
+    await env.settle()
+    env.store.lag("list", 0.5)
+    names: list[str] = []
+
+    async def lister() -> None:
+        names.extend(await env.b.listdir("d"))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(lister)
+        await trio.sleep(0.1)
+        assert await env.flush() >= 1  # uploaded, and gone from the overlay
+    assert "d/f" in env.objects
+    assert sorted(names) == ["f", "old"]
+    assert sorted(await env.b.listdir("d")) == ["f", "old"]
+    assert await env.b.read("d/f") == b"acknowledged"
+
+
+async def test_a_listing_hides_a_file_deleted_while_it_ran(env: Env) -> None:
+    """The other way round: an object deleted from S3 while the LIST's answer travelled
+    (its tombstone gone with it) is not shown, then or later."""
+    await env.a.mkdir("d")
+    await env.a.write("d/old", b"o")
+    await env.a.write("d/gone", b"g")
+    await env.flush()
+    await env.b.stat("d/gone")  # known to B, its directory not listed yet
+    env.store.lag("list", 0.5)
+    names: list[str] = []
+
+    async def lister() -> None:
+        names.extend(await env.b.listdir("d"))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(lister)
+        await trio.sleep(0.1)
+        await env.a.unlink("d/gone")
+        await env.flush()
+    assert "d/gone" not in env.objects
+    assert sorted(await env.b.listdir("d")) == ["old"]
+    assert not await env.b.exists("d/gone")

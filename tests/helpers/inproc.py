@@ -31,7 +31,8 @@ class Fault:
     op: str
     skip: int  # calls of `op` that pass before this fault starts
     times: int  # calls it hits
-    kind: str  # "fail" (raise `exc`), "stall" (sleep `seconds` first), "short" (body)
+    kind: str  # "fail" (raise `exc`), "stall" (sleep `seconds` first), "short" (body),
+    # "lag" (answer what the store held at the call, `seconds` later)
     exc: type[ObjcacheError] = StoreUnavailable
     seconds: float = 0.0
     hits: int = 0
@@ -67,11 +68,22 @@ class FaultyStore:
         """Bodies that end early: half arrives, then the call fails."""
         self.faults.append(Fault(op, skip, times, "short"))
 
+    def lag(self, op: str, seconds: float, times: int = 1, skip: int = 0) -> None:
+        """Answers that arrive `seconds` after the store read them (a LIST is what S3 held
+        when it read it, whatever changed while the reply travelled)."""
+        self.faults.append(Fault(op, skip, times, "lag", seconds=seconds))
+
     def clear(self) -> None:
         self.faults.clear()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def _lag(self, op: str) -> float:
+        """The lag due for the next call of `op` (counted by `_before`)."""
+        n = self.calls.get(op, 0)
+        return sum(f.seconds for f in self.faults
+                   if f.op == op and f.kind == "lag" and f.skip <= n and f.hits < f.times)
 
     async def _before(self, op: str) -> bool:
         """Apply the faults due for this call of `op`; whether its body is to be short."""
@@ -98,8 +110,11 @@ class FaultyStore:
         return self._list_dir(prefix)
 
     async def _list_dir(self, prefix: str) -> AsyncIterator[Any]:
+        lag = self._lag("list")
         await self._before("list")
-        async for page in self.inner.list_dir(prefix):
+        pages = [page async for page in self.inner.list_dir(prefix)]
+        await trio.sleep(lag)
+        for page in pages:
             yield page
 
     def list_recursive(self, prefix: str, start_after: str = "") -> AsyncIterator[Any]:
