@@ -35,6 +35,7 @@ def main() -> int:
     weed = SeaweedFS(work / "s3")
     weed.start()
     longest = 0.0
+    failed = True
     try:
         s3 = weed.client()
         for run in range(args.runs):
@@ -45,12 +46,16 @@ def main() -> int:
             root = work / f"run{run}"
             root.mkdir()
             t0 = time.monotonic()
+            res = None
             try:
                 res = chaos.run(Cluster(weed.endpoint, bucket, root, mounts), s3, bucket,
                                 args.seconds, seed)
             finally:
                 stop_all(mounts)
-                shutil.rmtree(root, ignore_errors=True)
+                if res is not None and not res.errors:
+                    shutil.rmtree(root, ignore_errors=True)
+                else:  # the daemons' logs, for the diagnosis
+                    print(f"  logs kept in {root}", flush=True)
             longest = max(longest, res.longest_recovery)
             print(f"run {run + 1}/{args.runs} seed {seed}: {'FAILED' if res.errors else 'ok'} "
                   f"in {time.monotonic() - t0:.0f}s, {len(res.events)} events "
@@ -62,10 +67,14 @@ def main() -> int:
                     print("  " + e)
                 return 1
         print(f"{args.runs} runs in a row passed; longest recovery {longest:.1f}s")
+        failed = False
         return 0
     finally:
         weed.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        if failed:
+            print(f"kept {work} (delete it when done)", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

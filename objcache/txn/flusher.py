@@ -165,7 +165,8 @@ class ClusterFlusher:
             await q.put_pieces(key, len(body), error, whole)
         else:
             await q.put(key, None, 0, error)  # a marker, a delete: no bytes
-        await self.txn.submit({"op": "ns.clean", "key": key, "ver": e.ver, "etag": None})
+        await self.txn.submit({"op": "ns.clean", "key": key, "ver": e.ver, "etag": None,
+                               "stored": False})
 
     async def upload(self, key: str, e: Entry) -> None:
         """Bring S3 in line with entry `e` of `key`, then commit that it is clean."""

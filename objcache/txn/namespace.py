@@ -273,7 +273,10 @@ class Namespace:
             return {"ok": False}
         etag = cmd.get("etag")
         size = cur.size if isinstance(cur, FileEntry) else 0
-        self._del(key, uploaded=ObjectRef(key, str(etag), size) if etag else None)
+        # A directory's marker is in S3 now (it has no ETag worth keeping): that is an
+        # upload, not a removal, to every node's view of the directory.
+        stored = etag or (isinstance(cur, DirEntry) and cmd.get("stored", True))
+        self._del(key, uploaded=ObjectRef(key, str(etag or ""), size) if stored else None)
         return {"ok": True}
 
     def _holders(self, cmd: dict[str, Any], ver: int) -> dict[str, Any]:

@@ -383,3 +383,19 @@ async def test_read_only_mount_refuses_changes(tmp_path: Path) -> None:
 async def test_statfs(env: Env) -> None:
     s = env.a.fs.statfs()
     assert s["namemax"] == 255 and s["blocks"] >= s["bfree"] > 0
+
+
+async def test_a_directory_stays_the_same_directory_when_its_marker_is_written_back(
+        env: Env) -> None:
+    """Write-back of a new directory's marker changes nothing a reader can see: the
+    directory another node has open keeps its inode, and lists."""
+    await env.a.mkdir("d")
+    await env.settle()
+    ino = await env.b.ino("d")
+    assert await env.b.fs.readdir(ino) == []
+    await env.flush()  # (one node: mkdir made it at once)
+    assert "d/" in env.objects
+    await env.settle()
+    await trio.sleep(0.05)  # the change reaches B's core
+    assert await env.b.ino("d") == ino
+    assert await env.b.fs.readdir(ino) == []

@@ -165,7 +165,13 @@ def _check(nodes: list[Mount], s3: Any, bucket: str, acked: set[str], tried: set
         names = set(os.listdir(m.mnt / "chaos"))
         for name in sorted(acked):
             if name not in names:
-                res.errors.append(f"{m.mnt.name}: acknowledged {name} is missing")
+                # What else the node says of it, for the diagnosis: a lookup by name, and
+                # a listing a moment later.
+                time.sleep(1)
+                later = name in os.listdir(m.mnt / "chaos")
+                found = (m.mnt / "chaos" / name).exists()
+                res.errors.append(f"{m.mnt.name}: acknowledged {name} is missing "
+                                  f"(found by name: {found}, listed 1 s later: {later})")
             elif (got := (m.mnt / "chaos" / name).read_bytes()) != content(name):
                 want = content(name)
                 at = next((i for i, (x, y) in enumerate(zip(got, want, strict=False)) if x != y),
