@@ -35,11 +35,13 @@ from objcache.backend.local import LocalBackend
 from objcache.backend.replicated import ReplicatedBackend, applied_changes
 from objcache.cache.chunks import ChunkCache
 from objcache.cache.localfiles import LocalFiles
+from objcache.cache.objmeta import ObjectMeta
 from objcache.cache.pins import Pins
 from objcache.cache.quarantine import Quarantine
 from objcache.cache.router import ChunkRouter
 from objcache.cache.statedb import StateDB
 from objcache.cluster.chunkservice import ChunkService
+from objcache.cluster.metashare import SharedObjectMeta
 from objcache.cluster.node import ClusterNode, bind_listener, load_secret, raft_address
 from objcache.cluster.peers import PeerServer, Routes
 from objcache.config import MountConfig, startup_warnings
@@ -171,6 +173,8 @@ class Parts:
     router: ChunkRouter
     local: LocalFiles
     backend: Backend
+    own_meta: ObjectMeta
+    meta: ObjectMeta | SharedObjectMeta
     notifier: KernelNotifier
     fs: Filesystem
     status: NodeStatus
@@ -185,6 +189,8 @@ class Parts:
         if self.member is not None:
             m = self.member
             await m.node.start(nursery, m.sock, m.server)
+        if isinstance(self.meta, SharedObjectMeta):
+            await nursery.start(self.meta.run)
         await nursery.start(self.backend.run)
 
     async def stop(self) -> None:
@@ -198,6 +204,7 @@ class Parts:
             await self.member.node.leave()
 
     def close(self) -> None:
+        self.own_meta.flush()
         self.local.close()
         self.cache.flush_atimes()
         self.db.close()
@@ -236,21 +243,25 @@ def build(cfg: MountConfig, store: ObjectStore, path: Path, mountpoint: str,
                                     quarantine)
     else:
         backend = LocalBackend(cfg, store, local, quarantine)
+    own_meta = ObjectMeta(db)
+    meta: ObjectMeta | SharedObjectMeta = own_meta
+    if node is not None:
+        meta = SharedObjectMeta(own_meta, node.membership, node.client, cfg.peer_timeout)
     notifier = KernelNotifier()
-    fs = Filesystem(cfg, backend, router, local, notifier)
+    fs = Filesystem(cfg, backend, router, local, notifier, meta)
     rows = NodeRow(store, cache, backend)
     cluster: ClusterStatus = NoCluster()
     member = None
     if node is not None:
         server = PeerServer(node.key, Routes({
             **node.routes(), **ChunkService(router, pins).routes(), **txn.routes(),
-            "stats": rows.serve}))
+            **meta.routes(), "stats": rows.serve}))
         member = Member(node, sock, server)
         cluster = MemberStatus(node, server)
     status = NodeStatus(cfg, mountpoint, str(path), rows, cluster)
     control = ControlChannel(ControlHandlers(fs, store, router, pins, status, cluster, leave))
-    return Parts(cfg, store, db, cache, pins, router, local, backend, notifier, fs, status,
-                 control, member)
+    return Parts(cfg, store, db, cache, pins, router, local, backend, own_meta, meta,
+                 notifier, fs, status, control, member)
 
 
 def _discard_unclosed(local: LocalFiles) -> None:

@@ -29,6 +29,7 @@ import trio
 from objcache import CTRL_NAME
 from objcache.backend.base import Backend, Change, Moved, NsView
 from objcache.cache.localfiles import LocalFile, LocalFiles
+from objcache.cache.objmeta import NO_OBJECT_META, ObjectMetaSource
 from objcache.config import MountConfig
 from objcache.core.handles import EMPTY, BlobSource, FileHandle, ObjectSource, Source
 from objcache.core.inode import (
@@ -82,15 +83,27 @@ MAX_KEPT_INODES = 200_000
 # How long a removal is remembered against LISTs that read S3 before it (a listing of
 # a big directory takes seconds; none takes this long).
 REMOVED_MEMORY = 600.0
-# A stat of a file known only from a LIST costs a HEAD (S3 lists no metadata). After this
-# many such stats in one listed directory (`ls -l`, `du`, a reader opening its files) the
-# rest of the directory is HEADed in the background, META_PREFETCH at a time, in listing
-# order from there: the stats then find their answer in flight or done instead of paying
-# one round trip each in sequence.
-META_PREFETCH_AFTER = 4
+# A stat of a file known only from a LIST costs a HEAD (S3 lists no metadata). When such
+# stats sweep a listed directory in listing order (`ls -l`, `du`, a reader going through
+# its files), the rest of the directory is HEADed in the background, META_PREFETCH at a
+# time, from there: the stats then find their answer in flight or done instead of paying
+# one round trip each in sequence. Random stats never start it (every HEAD fetched ahead
+# would be a wasted, billed request); a sweep is META_PREFETCH_AFTER stats in a row, each
+# within META_SWEEP_SLACK entries of the furthest one so far.
+META_PREFETCH_AFTER = 6
+META_SWEEP_SLACK = 16
 META_PREFETCH = 16
-META_PREFETCH_WINDOW = 512  # entries ahead of the last one stat'ed
+# How far ahead of the furthest stat it runs: META_PREFETCH at first (enough to keep
+# META_PREFETCH requests in flight), then a quarter of how far the sweep has come (so a
+# sweep that stops wastes at most a quarter of the HEADs it used, plus META_PREFETCH), up
+# to META_PREFETCH_WINDOW.
+META_PREFETCH_WINDOW = 512
 META_READ_WINDOW = 64  # the same, in a directory whose files are being read
+MAX_SWEEPS = 4096  # directories whose stats are being followed
+# Prefetched HEADs that no stat used, over all directories: above this share of what was
+# prefetched (once META_WASTE_MIN were), no new prefetch starts.
+META_WASTE_SHARE = 0.25
+META_WASTE_MIN = 256
 
 
 class KernelNotifier(Protocol):
@@ -119,8 +132,30 @@ class NoNotifier:
 NO_NOTIFIER = NoNotifier()
 
 
+class _Sweep:
+    """Where one listed directory's LIST-only stats fall in its listing order."""
+
+    def __init__(self, children: dict[str, int]) -> None:
+        self.children = children
+        self.names = sorted(children)
+        self.top = -1  # the furthest position stat'ed
+        self.length = 0  # stats in a row near `top`
+
+    def saw(self, name: str) -> int:
+        """Count a stat of `name`; the length of the sweep it belongs to."""
+        i = bisect.bisect_left(self.names, name)
+        if i >= len(self.names) or self.names[i] != name:
+            return self.length
+        if self.top >= 0 and abs(i - self.top) <= META_SWEEP_SLACK and i != self.top:
+            self.length += 1
+        else:
+            self.length = 1
+        self.top = max(self.top, i) if self.length > 1 else i
+        return self.length
+
+
 class _MetaPrefetch:
-    """One directory's background HEADs, in listing order from where stats started."""
+    """One directory's background HEADs, in listing order from where a sweep started."""
 
     def __init__(self, d: Inode, after: str) -> None:
         self.dir = d
@@ -131,14 +166,25 @@ class _MetaPrefetch:
         self._pos = {n: i for i, n in enumerate(self.names)}
         self.next = 0  # index in `names` of the next one to fetch
         self.cursor = 0  # index of the furthest one stat'ed by a caller
+        self.fetched: set[int] = set()  # indexes HEADed ahead and not stat'ed yet
+        self.used = 0  # of those, how many a stat then asked for
         self.moved = trio.Event()
 
     def saw(self, name: str) -> None:
         i = self._pos.get(name)
-        if i is not None and i > self.cursor:
+        if i is None:
+            return
+        if i in self.fetched:
+            self.fetched.discard(i)
+            self.used += 1
+        if i > self.cursor:
             self.cursor = i
             self.moved.set()
             self.moved = trio.Event()
+
+    def window(self, reading: bool) -> int:
+        top = META_READ_WINDOW if reading else META_PREFETCH_WINDOW
+        return min(top, META_PREFETCH + self.cursor // 4)
 
 
 def _name(name: bytes | str) -> str:
@@ -178,8 +224,10 @@ class Filesystem:
     """
 
     def __init__(self, cfg: MountConfig, backend: Backend, router: ChunkRouter,
-                 local: LocalFiles, notifier: KernelNotifier = NO_NOTIFIER) -> None:
+                 local: LocalFiles, notifier: KernelNotifier = NO_NOTIFIER,
+                 meta: ObjectMetaSource = NO_OBJECT_META) -> None:
         self.cfg = cfg
+        self.meta = meta
         self.backend = backend
         self.store = backend.store
         self.router = router
@@ -200,6 +248,9 @@ class Filesystem:
         self._list_inflight: dict[int, trio.Event] = {}
         self._background: trio.Nursery | None = None
         self._meta_prefetching: dict[int, _MetaPrefetch] = {}  # by directory inode
+        self._sweeps: dict[int, _Sweep] = {}  # by directory inode
+        self._prefetched = 0  # HEADs made ahead of stats (decayed)
+        self._prefetch_wasted = 0  # of those, the ones no stat asked for
         self._making: dict[str, trio.Event] = {}  # working copies being made, by key
         # When names were removed (monotonic), so that a LIST that read S3 before a
         # removal does not bring the name back; kept for REMOVED_MEMORY seconds.
@@ -405,9 +456,13 @@ class Filesystem:
             self._show(inode, e)
         return inode
 
-    def _apply_info(self, inode: Inode, info: ObjectInfo) -> Inode:
+    def _apply_info(self, inode: Inode, info: ObjectInfo, remember: bool = True) -> Inode:
         """Update a file inode from S3's view; returns the inode now naming the key (a new
-        one if the object's type changed, so the kernel never sees an inode change type)."""
+        one if the object's type changed, so the kernel never sees an inode change type).
+        `remember`: keep the metadata of a HEAD's answer for later LISTs of that version
+        (not when it came from there)."""
+        if remember and info.metadata is not None:
+            self.meta.remember(info)
         if inode.etag is not None and inode.etag != info.etag:
             inode.content_gen += 1
             inode.meta_loaded = False
@@ -505,11 +560,21 @@ class Filesystem:
         if (parent is None or parent.children is None or self._background is None
                 or parent.ino in self._meta_prefetching):
             return
-        parent.meta_misses += 1
-        if parent.meta_misses == META_PREFETCH_AFTER:
-            pf = _MetaPrefetch(parent, inode.key.rpartition("/")[2])
-            self._meta_prefetching[parent.ino] = pf
-            self._background.start_soon(self._prefetch_meta, pf)
+        sweep = self._sweeps.get(parent.ino)
+        if sweep is None or sweep.children is not parent.children:
+            if len(self._sweeps) >= MAX_SWEEPS:
+                self._sweeps.clear()
+            sweep = self._sweeps[parent.ino] = _Sweep(parent.children)
+        name = inode.key.rpartition("/")[2]
+        if sweep.saw(name) < META_PREFETCH_AFTER:
+            return
+        if (self._prefetched >= META_WASTE_MIN
+                and self._prefetch_wasted > META_WASTE_SHARE * self._prefetched):
+            return  # prefetching has mostly fetched what nobody asked for: not now
+        del self._sweeps[parent.ino]
+        pf = _MetaPrefetch(parent, name)
+        self._meta_prefetching[parent.ino] = pf
+        self._background.start_soon(self._prefetch_meta, pf)
 
     async def _prefetch_meta(self, pf: _MetaPrefetch) -> None:
         d, children = pf.dir, pf.children
@@ -521,19 +586,22 @@ class Filesystem:
                 # Far enough ahead of whoever is stat'ing: wait for them (or stop, when
                 # they are done), so a few stats never fetch a whole directory. Files
                 # being read are fetched whole (see _head_file): a shorter window.
-                window = META_READ_WINDOW if d.read_children else META_PREFETCH_WINDOW
+                window = pf.window(bool(d.read_children))
                 if pf.next > pf.cursor + window:
                     with trio.move_on_after(self.ttl):
                         await pf.moved.wait()
                     if pf.next > pf.cursor + window:
                         return
                     continue
-                name = pf.names[pf.next]
+                i = pf.next
+                name = pf.names[i]
                 pf.next += 1
                 inode = self.inodes.get(children.get(name, -1))
                 if (inode is None or inode.is_dir or inode.meta_loaded
                         or inode.key in self.local.by_key):
                     continue
+                if i > pf.cursor:
+                    pf.fetched.add(i)
                 try:
                     await self._revalidate(inode)
                 except ObjcacheError:
@@ -546,6 +614,12 @@ class Filesystem:
         finally:
             if self._meta_prefetching.get(d.ino) is pf:
                 del self._meta_prefetching[d.ino]
+            # Decayed tallies: what prefetching did lately decides whether it goes on.
+            if self._prefetched > 16 * META_WASTE_MIN:
+                self._prefetched //= 2
+                self._prefetch_wasted //= 2
+            self._prefetched += len(pf.fetched) + pf.used
+            self._prefetch_wasted += len(pf.fetched)
 
     def _stat_seen(self, parent: Inode, name: str) -> None:
         """A lookup in `parent`: moves a running prefetch's window along."""
@@ -716,6 +790,7 @@ class Filesystem:
                 name = p[len(prefix):-1]
                 if _valid_listed(name):
                     found[name] = None  # a directory wins over a same-named object
+        known = await self._known_meta(found)
         children: dict[str, int] = {}
         for name, info in found.items():
             key = prefix + name
@@ -727,7 +802,9 @@ class Filesystem:
             else:
                 if inode is None or inode.is_dir:
                     inode = self._new_inode(key, DEFAULT_FILE_MODE)
-                inode = self._apply_info(inode, info)
+                meta = known.get(key)
+                inode = self._apply_info(inode, info if meta is None else
+                                         replace(info, metadata=meta), remember=False)
             children[name] = inode.ino
         now = self.backend.view_under(prefix)
         self._merge_unlisted(d, children, now)
@@ -745,8 +822,24 @@ class Filesystem:
                         self._detach(inode)
         d.children = children
         d.listed = time.monotonic()
-        d.stale_lookups = d.meta_misses = d.read_children = 0
+        d.stale_lookups = d.read_children = 0
         return children
+
+    async def _known_meta(self, found: dict[str, ObjectInfo | None]
+                          ) -> dict[str, dict[str, str]]:
+        """The metadata already known (here, or in the cluster) of the listed versions
+        whose inodes lack it: what spares `ls -l` a HEAD per file."""
+        want = []
+        for info in found.values():
+            if info is None:
+                continue
+            inode = self._by_key(info.key)
+            if (inode is None or not inode.meta_loaded or inode.etag != info.etag
+                    or inode.is_dir):
+                want.append(info)
+        if not want:
+            return {}
+        return await self.meta.lookup(want)
 
     async def _changed_while_listing(self, d: Inode, children: dict[str, int],
                                      before: NsView, now: NsView, listed: set[str],
@@ -782,6 +875,8 @@ class Filesystem:
                     inode = self._new_inode(k, DEFAULT_DIR_MODE)
                 inode.in_s3 = True
                 children[name] = inode.ino
+            elif (inode := self._by_key(k)) is not None:
+                self._forget_child(inode)  # what the LIST said of it is gone
 
     def _merge_unlisted(self, d: Inode, children: dict[str, int], view: NsView) -> None:
         """Add to a fresh listing what S3 does not show yet: working copies on this node

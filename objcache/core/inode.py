@@ -52,7 +52,7 @@ class Inode:
                  "ctime_ns", "rdev", "etag",
                  "meta_loaded", "checked", "lookups", "children", "listed", "target",
                  "in_s3", "content_gen", "kernel_gen", "created", "stale_lookups", "overlay",
-                 "meta_misses", "read_children")
+                 "read_children")
 
     def __init__(self, ino: int, key: str, mode: int, uid: int, gid: int) -> None:
         self.ino = ino
@@ -72,7 +72,6 @@ class Inode:
         self.children: dict[str, int] | None = None
         self.listed = 0.0
         self.stale_lookups = 0  # children looked up one by one since the last listing
-        self.meta_misses = 0  # LIST-only children stat'ed since the last listing
         self.read_children = 0  # files opened in this directory since the last listing
         self.target: bytes | None = None
         self.in_s3 = False
