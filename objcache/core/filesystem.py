@@ -246,6 +246,9 @@ class Filesystem:
         self._next_fh = 1
         self._head_inflight: dict[str, trio.Event] = {}
         self._list_inflight: dict[int, trio.Event] = {}
+        # Entries that another node's changes added to a directory while a listing of it
+        # was in flight and before it had one (by directory inode, one map per listing).
+        self._arrived: dict[int, list[dict[str, int]]] = {}
         self._background: trio.Nursery | None = None
         self._meta_prefetching: dict[int, _MetaPrefetch] = {}  # by directory inode
         self._sweeps: dict[int, _Sweep] = {}  # by directory inode
@@ -775,6 +778,38 @@ class Filesystem:
         # the LIST ran has left the namespace and may not be in the LIST either, and an
         # object deleted meanwhile may still be in it, with its tombstone gone.
         before = self.backend.view_under(prefix)
+        arrived: dict[str, int] = {}
+        self._arrived.setdefault(d.ino, []).append(arrived)
+        try:
+            children = await self._list_children(d, prefix, before, started)
+        finally:
+            mine = self._arrived[d.ino]
+            mine.remove(arrived)
+            if not mine:
+                del self._arrived[d.ino]
+        for name, ino in arrived.items():
+            children.setdefault(name, ino)
+        for name, ino in (d.children or {}).items():
+            inode = self.inodes.get(ino)
+            if name not in children and inode is not None and inode.created >= started:
+                children[name] = ino
+        for name in [n for n, ino in children.items()
+                     if ino not in self.inodes or self.inodes[ino].detached]:
+            del children[name]  # removed (by a change applied) while the listing ran
+        if d.children is not None:
+            for name, ino in d.children.items():
+                if name not in children and ino in self.inodes:
+                    inode = self.inodes[ino]
+                    if inode.key == prefix + name:
+                        self._detach(inode)
+        d.children = children
+        d.listed = time.monotonic()
+        d.stale_lookups = d.read_children = 0
+        return children
+
+    async def _list_children(self, d: Inode, prefix: str, before: NsView, started: float
+                             ) -> dict[str, int]:
+        """S3's listing of `d`, merged with what the namespace holds (see `_list`)."""
         found: dict[str, ObjectInfo | None] = {}
         hidden_listed: list[str] = []
         async for page in self.store.list_dir(prefix):
@@ -810,19 +845,6 @@ class Filesystem:
         self._merge_unlisted(d, children, now)
         listed = {prefix + name for name in found} | set(hidden_listed)
         await self._changed_while_listing(d, children, before, now, listed, started)
-        for name, ino in (d.children or {}).items():
-            inode = self.inodes.get(ino)
-            if name not in children and inode is not None and inode.created >= started:
-                children[name] = ino
-        if d.children is not None:
-            for name, ino in d.children.items():
-                if name not in children and ino in self.inodes:
-                    inode = self.inodes[ino]
-                    if inode.key == prefix + name:
-                        self._detach(inode)
-        d.children = children
-        d.listed = time.monotonic()
-        d.stale_lookups = d.read_children = 0
         return children
 
     async def _known_meta(self, found: dict[str, ObjectInfo | None]
@@ -1481,11 +1503,18 @@ class Filesystem:
     def _add_listed(self, key: str, e: FileEntry | DirEntry, is_dir: bool) -> None:
         """Put a new entry into its parent's listing, if we have that listing."""
         parent = self._parent_of(key)
-        if parent is None or parent.children is None:
+        if parent is None:
             return  # a lookup will find it among the entries
+        listings = self._arrived.get(parent.ino)
+        if parent.children is None and not listings:
+            return  # (as will a listing)
         inode = self._inode_for(key, e if isinstance(e, DirEntry) == is_dir else None,
                                 is_dir)
         name = key.rpartition("/")[2]
+        for arrived in listings or ():
+            arrived[name] = inode.ino  # the namespace those listings read had it not yet
+        if parent.children is None:
+            return
         parent.children[name] = inode.ino
         self.notify.entry(parent.ino, name)
 

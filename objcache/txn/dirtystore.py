@@ -27,7 +27,7 @@ from pathlib import Path
 
 import trio
 
-from objcache.errors import NoSpace, NotFound
+from objcache.errors import NoSpace, NotFound, first_error
 
 log = logging.getLogger(__name__)
 
@@ -206,16 +206,20 @@ class DirtyStore:
                     finally:
                         free.append(buf)
 
-            async with trio.open_nursery() as nursery:
-                for off in range(start, end, PIECE):
-                    nursery.start_soon(piece, off)
+            with first_error():  # the holder's error itself, for the caller to catch
+                async with trio.open_nursery() as nursery:
+                    for off in range(start, end, PIECE):
+                        nursery.start_soon(piece, off)
             os.ftruncate(fd, end)  # a direct write of the tail rounds it up to a page
             if sync:
                 await trio.to_thread.run_sync(os.fdatasync, fd, limiter=self.io)
         finally:
             os.close(fd)
             for buf in free:
-                buf.close()
+                # After a failed piece, the exception on its way up (its traceback's
+                # frames) may still hold views of a buffer: that one goes with them.
+                with contextlib.suppress(BufferError):
+                    buf.close()
 
     # -- pulling a whole blob -----------------------------------------------------------
 

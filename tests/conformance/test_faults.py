@@ -238,3 +238,22 @@ async def test_a_listing_hides_a_file_deleted_while_it_ran(env: Env) -> None:
     assert "d/gone" not in env.objects
     assert sorted(await env.b.listdir("d")) == ["old"]
     assert not await env.b.exists("d/gone")
+
+
+async def test_a_file_created_elsewhere_during_a_first_listing_is_in_it(env: Env) -> None:
+    """A directory listed for the first time on B while A creates a file in it: the file
+    is in B's listing (then cached), whichever side of the listing's reads it fell."""
+    await env.a.mkdir("d")
+    await env.a.write("d/up", b"u")
+    await env.settle()
+    await env.b.ino("d")
+    env.store.lag("list", 0.4)
+    env.store.stall("head", 0.6)  # settling "up" (uploaded meanwhile) takes a while
+    async with trio.open_nursery() as n:
+        n.start_soon(env.b.listdir, "d")
+        await trio.sleep(0.1)
+        await env.flush()
+        await trio.sleep(0.5)  # the LIST answered; its HEAD is pending
+        await env.a.write("d/new", b"n")
+        await env.settle()
+    assert sorted(await env.b.listdir("d")) == ["new", "up"]
