@@ -68,7 +68,7 @@ class ReplicatedBackend:
         self.dirty = dirty
         self.local = local
         self.flusher = ClusterFlusher(s3, txn, dirty, cfg.chunk_size, cfg.writeback_delay,
-                                      local.space, quarantine)
+                                      local.space, quarantine, cfg.s3_retry_seconds)
         self.stager = Stager(txn, dirty, cfg.chunk_size)
         self._applied = applied
         self._waiting: list[Applied] = []

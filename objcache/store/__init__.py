@@ -7,9 +7,12 @@ is the directory's key plus '/'. Implementations: `s3.S3Store` (boto3) and
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+# Awaited right before an upload becomes visible (see ObjectStore.put_file).
+Fence = Callable[[], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +65,10 @@ class ObjectStore(Protocol):
     async def put_bytes(self, key: str, body: bytes, metadata: dict[str, str]) -> str: ...
 
     async def put_file(self, key: str, path: str, size: int, metadata: dict[str, str],
-                       part_size: int) -> str:
-        """Upload a local file (multipart with `part_size` parts when larger); return ETag."""
+                       part_size: int, fence: Fence | None = None) -> str:
+        """Upload a local file (multipart with `part_size` parts when larger); return ETag.
+        `fence` is awaited right before the one call that makes the object visible (the
+        PUT, or the completion of the multipart upload); what it raises aborts."""
         ...
 
     async def start_upload(self, key: str, metadata: dict[str, str]) -> str:

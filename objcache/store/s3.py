@@ -34,7 +34,7 @@ from objcache.errors import (
     first_error,
 )
 from objcache.metrics import S3_SECONDS
-from objcache.store import ListPage, ObjectInfo
+from objcache.store import Fence, ListPage, ObjectInfo
 from objcache.store.parts import part_ranges
 from objcache.store.signed import SignedHttp
 
@@ -423,7 +423,7 @@ class S3Store:
         return await self._call("put", key, fn, self.put_limiter)
 
     async def put_file(self, key: str, path: str, size: int, metadata: dict[str, str],
-                       part_size: int) -> str:
+                       part_size: int, fence: Fence | None = None) -> str:
         if size <= part_size:
             def read() -> bytes:
                 with open(path, "rb") as f:
@@ -431,11 +431,14 @@ class S3Store:
                 if len(data) < size:  # a sparse tail past EOF reads as zeros
                     data += bytes(size - len(data))
                 return data
-            return await self.put_bytes(key, await trio.to_thread.run_sync(read), metadata)
-        return await self._multipart(key, path, size, metadata, part_size)
+            body = await trio.to_thread.run_sync(read)
+            if fence is not None:
+                await fence()
+            return await self.put_bytes(key, body, metadata)
+        return await self._multipart(key, path, size, metadata, part_size, fence)
 
     async def _multipart(self, key: str, path: str, size: int, metadata: dict[str, str],
-                         part_size: int) -> str:
+                         part_size: int, fence: Fence | None) -> str:
         upload_id = await self.start_upload(key, metadata)
         try:
             etags: dict[int, str] = {}
@@ -447,6 +450,8 @@ class S3Store:
                 async with trio.open_nursery() as nursery:
                     for n, start, length in part_ranges(part_size, size):
                         nursery.start_soon(part, n, start, length)
+            if fence is not None:
+                await fence()
             return await self.finish_upload(key, upload_id, etags)
         except BaseException:
             with trio.CancelScope(shield=True):

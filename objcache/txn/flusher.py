@@ -11,8 +11,12 @@ entry once the write-back delay has passed, or at once when asked (flush, drain)
 - a tombstone: DeleteObject, once no entry still reads the object as its base (and a key
   that others read as their base is not overwritten until they have copied it).
 Then `ns.clean` commits that the entry is in S3, and it only succeeds if the entry is still
-the version uploaded, so a write racing an upload stays dirty. Owners that disagree during a
-membership change may both upload: the content is the same, and one clean wins.
+the version uploaded, so a write racing an upload stays dirty. Nodes that disagree about the
+owner during a membership change (and a flush or a crowded cache, which upload what they
+can) may both get to a key: right before the one S3 call that makes a version visible (a
+PUT, a multipart upload's completion, a copy, a delete) a node claims the key for that
+version in the log (`ns.claim`, objcache.txn.namespace), so only one node writes a key at a
+time and a slow write of an older version can never land over a newer one.
 An entry S3 refuses for good (objcache.cache.quarantine) is quarantined after a few
 refusals (at the first when a flush or drain asks): its bytes go to this node's
 lost+found/, and a commit drops the entry, so the key shows S3's version again on every
@@ -44,11 +48,18 @@ RETRY_AFTER_FAILURE = 5.0  # at most; sooner with a shorter write-back delay
 GC_EVERY = 2.0
 
 
+class Busy(Exception):
+    """Another node is writing the key to S3 now, or its entry moved on: later."""
+
+
 class ClusterFlusher:
     def __init__(self, store: ObjectStore, txn: TxnClient, dirty: DirtyStore,
                  chunk_size: int, delay: float, space: ChunkCache,
-                 quarantine: Quarantine) -> None:
+                 quarantine: Quarantine, s3_seconds: float = 60.0) -> None:
         self.quarantine = quarantine
+        # How long a claim holds: longer than one S3 call with all its retries can take
+        # (each attempt waits at most 30 s), with room for clocks a little apart.
+        self.lease = s3_seconds + 45.0
         self.retry_after = min(RETRY_AFTER_FAILURE, max(0.5, delay))
         self.store = store
         self.txn = txn
@@ -62,6 +73,7 @@ class ClusterFlusher:
         self._failed: dict[str, float] = {}
         self._errors: dict[str, tuple[float, ObjcacheError]] = {}  # last failure, by key
         self._urgent: set[str] | None = set()  # keys asked for now; None: everything
+        self._claimed: set[str] = set()  # keys we hold a claim on and have not cleaned
         self.uploaded = 0
         self.failed = 0
 
@@ -116,6 +128,9 @@ class ClusterFlusher:
             async with self.uploads:
                 await self.upload(key, e)
             self.quarantine.forgive(key)
+        except Busy as b:
+            self._failed[key] = time.monotonic()  # looked at again after retry_after
+            log.debug("write-back of %r deferred: %s", key, b)
             self._errors.pop(key, None)
         except StoreRefused as ex:
             self.failed += 1
@@ -138,6 +153,14 @@ class ClusterFlusher:
             log.exception("unexpected error writing back %r", key)
         finally:
             self._running.discard(key)
+            if key in self._claimed:
+                self._claimed.discard(key)
+                with trio.CancelScope(shield=True), trio.move_on_after(self.txn.timeout):
+                    try:
+                        await self.txn.submit({"op": "ns.release", "key": key,
+                                               "node": self.txn.node_id})
+                    except ObjcacheError:
+                        pass  # it expires
 
     async def _quarantine(self, key: str, e: Entry, error: str) -> None:
         """Keep the refused entry's bytes here, then drop the entry (if it is still the
@@ -168,27 +191,43 @@ class ClusterFlusher:
         await self.txn.submit({"op": "ns.clean", "key": key, "ver": e.ver, "etag": None,
                                "stored": False})
 
+    async def _claim(self, key: str, e: Entry) -> None:
+        """The right to write `key` to S3 at version `e.ver` now (see the module
+        docstring); Busy if another node has it or the entry moved on."""
+        res = await self.txn.submit({"op": "ns.claim", "key": key, "ver": e.ver,
+                                     "node": self.txn.node_id, "at": time.time(),
+                                     "lease": self.lease})
+        if not res.get("ok"):
+            raise Busy("the entry changed since" if res.get("stale")
+                       else f"{res.get('by')} is writing it")
+        self._claimed.add(key)
+
     async def upload(self, key: str, e: Entry) -> None:
         """Bring S3 in line with entry `e` of `key`, then commit that it is clean."""
         if self._referenced(key):
             return  # someone's base still needs the current object here: later
         etag: str | None = None
         if isinstance(e, Tombstone):
+            await self._claim(key, e)
             await self.store.delete(key)
         elif isinstance(e, DirEntry):
+            await self._claim(key, e)
             await self.store.put_bytes(key, b"", make_meta(e.attrs))
         elif isinstance(e, FileEntry):
             meta = make_meta(e.attrs)
             if e.target is not None:
+                await self._claim(key, e)
                 etag = await self.store.put_bytes(key, e.target, meta)
             elif e.cid:
                 if not self.dirty.has(e.cid):
                     await self.txn.pull(e.cid, e.size, list(e.holders))
                     await self.txn.submit({"op": "ns.holders", "key": key, "cid": e.cid,
                                            "add": [self.txn.node_id]})
-                etag = await self.store.put_file(key, self.dirty.path(e.cid), e.size, meta,
-                                                 self.chunk_size)
+                etag = await self.store.put_file(
+                    key, str(self.dirty.path(e.cid)), e.size, meta, self.chunk_size,
+                    fence=lambda: self._claim(key, e))
             elif e.base:
+                await self._claim(key, e)
                 try:
                     etag = await self.store.copy(e.base.key, key, meta,
                                                  src_etag=e.base.etag)
@@ -196,9 +235,11 @@ class ClusterFlusher:
                     raise StoreError(f"the object {e.base.key!r} that {key!r} was renamed "
                                      "from changed in S3 behind the cluster's back") from None
             else:
+                await self._claim(key, e)
                 etag = await self.store.put_bytes(key, b"", meta)
         res = await self.txn.submit({"op": "ns.clean", "key": key, "ver": e.ver,
-                                     "etag": etag})
+                                     "etag": etag, "node": self.txn.node_id})
+        self._claimed.discard(key)
         if res.get("ok"):
             self.uploaded += 1
         else:

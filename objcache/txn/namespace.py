@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from objcache.entries import (
@@ -56,11 +56,21 @@ def _s3_object(o: list[Any]) -> S3Object:
             Attrs(int(o[3]), int(o[4]), int(o[5]), int(o[6]), *times))
 
 
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A node's exclusive right to change a key in S3 until `until` (its wall clock, as
+    written in the command), or until its clean or release."""
+
+    node: str
+    until: float
+
+
 class Namespace:
     """Attributes:
     entries: key -> entry (see the module docstring).
     changes: what the command being applied changed, for the hook that updates this node's
         caches.
+    claims: key -> the node now writing it to S3 (see `_claim`).
     """
 
     def __init__(self) -> None:
@@ -68,6 +78,11 @@ class Namespace:
         self._keys: list[str] = []  # sorted, for prefix queries
         self._bases: dict[str, int] = {}  # S3 key -> entries reading it as their base
         self.changes: list[NsChange] = []
+        self.claims: dict[str, Claim] = {}
+
+    def __setstate__(self, d: dict[str, Any]) -> None:  # a snapshot from before claims
+        self.__dict__.update(d)
+        self.__dict__.setdefault("claims", {})
 
     # -- reading (callers hold the state lock) -----------------------------------------------
 
@@ -265,9 +280,41 @@ class Namespace:
             self.changes.append(NsChange(src + "/", None, moved=True))  # the directory moved
         return {"ok": True, "moved": len(plan)}
 
+    def _claim(self, cmd: dict[str, Any], ver: int) -> dict[str, Any]:
+        """`node` is about to change `key` in S3 to its entry at version `ver` (one PUT,
+        the completion of a multipart upload, a copy or a delete). Granted only if that is
+        still the entry's version and no other node holds an unexpired claim: so two nodes
+        that both think they own a key (a membership change, a flush, a crowded cache)
+        never write it at once, and an older version's write can never land after a newer
+        one's was written and cleaned. The claim ends with the node's clean or release, or
+        at `at + lease` (longer than the S3 call and its retries can take)."""
+        key, node = str(cmd["key"]), str(cmd["node"])
+        at, lease = float(cmd["at"]), float(cmd["lease"])
+        cur = self.entries.get(key)
+        if cur is None or cur.ver != int(cmd["ver"]):
+            return {"ok": False, "stale": True}
+        held = self.claims.get(key)
+        if held is not None and held.node != node and held.until > at:
+            return {"ok": False, "by": held.node}
+        if len(self.claims) > 2 * len(self.entries) + 1024:  # expired ones, now and then
+            self.claims = {k: c for k, c in self.claims.items()
+                           if c.until > at and k in self.entries}
+        self.claims[key] = Claim(node, at + lease)
+        return {"ok": True}
+
+    def _release(self, cmd: dict[str, Any], ver: int) -> dict[str, Any]:
+        key, node = str(cmd["key"]), str(cmd["node"])
+        held = self.claims.get(key)
+        if held is not None and held.node == node:
+            del self.claims[key]
+        return {"ok": True}
+
     def _clean(self, cmd: dict[str, Any], ver: int) -> dict[str, Any]:
-        """Write-back finished `key` at version `ver`: forget the entry if it is unchanged."""
+        """Write-back finished `key` at version `ver`: forget the entry if it is unchanged
+        (and, either way, the claim of the node that wrote it)."""
         key = str(cmd["key"])
+        if "node" in cmd:
+            self._release(cmd, ver)
         cur = self.entries.get(key)
         if cur is None or cur.ver != int(cmd["ver"]):
             return {"ok": False}

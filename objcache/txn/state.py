@@ -27,7 +27,7 @@ from objcache.txn.namespace import Namespace
 MAX_REMEMBERED_TX = 100_000  # ids of applied transactions kept for retries
 
 _NS_OPS = {"noop", "create", "commit", "setdir", "unlink", "rmdir", "rename", "clean",
-           "holders"}
+           "holders", "claim", "release"}
 
 
 class ClusterState:

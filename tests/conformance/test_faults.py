@@ -257,3 +257,26 @@ async def test_a_file_created_elsewhere_during_a_first_listing_is_in_it(env: Env
         await env.a.write("d/new", b"n")
         await env.settle()
     assert sorted(await env.b.listdir("d")) == ["new", "up"]
+
+
+async def test_a_slow_write_of_an_older_version_never_lands_over_a_newer_one(
+        env: Env) -> None:
+    """Two nodes writing one key back at once (a flush on each: each uploads what it
+    can): A's PUT of the file's first version (empty, created) is slow; meanwhile the
+    file is closed with its bytes and B writes that version back. S3 must end up with
+    the bytes, never with A's late empty PUT over them."""
+    if env.kind == "local":
+        pytest.skip("one node writes back alone")
+    fh = await env.a.create("f")
+    env.store.stall("put", 4.0, times=1)
+    async with trio.open_nursery() as n:
+        n.start_soon(env.a.fs.flush_scope, FlushScope.under(""))
+        await trio.sleep(0.3)  # A's PUT of the empty version is on its way
+        await env.a.fs.write(fh, 0, b"acknowledged bytes")
+        await env.a.close(fh)
+        await env.settle()
+        n.start_soon(env.b.fs.flush_scope, FlushScope.under(""))
+    await env.b.fs.flush_scope(FlushScope.under(""))
+    await trio.sleep(4.2)  # A's slow PUT has landed (or never started) by now
+    assert env.objects["f"][0] == b"acknowledged bytes"
+    assert await env.b.read("f") == b"acknowledged bytes"

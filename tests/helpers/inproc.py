@@ -157,10 +157,10 @@ class FaultyStore:
         return await self.inner.put_bytes(key, body, metadata)
 
     async def put_file(self, key: str, path: str, size: int, metadata: dict[str, str],
-                       part_size: int) -> str:
+                       part_size: int, fence: Any = None) -> str:
         self._check_refused(key)
         await self._before("put")
-        return await self.inner.put_file(key, path, size, metadata, part_size)
+        return await self.inner.put_file(key, path, size, metadata, part_size, fence)
 
     async def start_upload(self, key: str, metadata: dict[str, str]) -> str:
         self._check_refused(key)

@@ -6,7 +6,7 @@ import hashlib
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import trio
 import trio.lowlevel
@@ -94,9 +94,13 @@ class MemoryStore:
         return self.put(key, body, metadata)
 
     async def put_file(self, key: str, path: str, size: int, metadata: dict[str, str],
-                       part_size: int) -> str:
+                       part_size: int, fence: Callable[[], Awaitable[None]] | None = None
+                       ) -> str:
         self.calls["put"] += 1
         data = await trio.Path(path).read_bytes()
+        await trio.sleep(self.delay)
+        if fence is not None:
+            await fence()
         return self.put(key, data.ljust(size, b"\0"), metadata)
 
     async def start_upload(self, key: str, metadata: dict[str, str]) -> str:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import trio
 
 from objcache.errors import PeerError
 from objcache.txn.dirtystore import DirtyStore
@@ -31,4 +32,5 @@ async def test_a_failed_pull_raises_the_holders_error_and_leaves_nothing(tmp_pat
         view[:] = data[off:off + len(view)]
 
     await ds.pull("c0ffee", len(data), good)
-    assert ds.has("c0ffee") and Path(ds.path("c0ffee")).read_bytes() == data
+    assert ds.has("c0ffee")
+    assert await trio.Path(ds.path("c0ffee")).read_bytes() == data
