@@ -19,16 +19,16 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from benchmarks import reads, writes
+from benchmarks import peers, reads, writes
 from benchmarks.reads import RSS
 from benchmarks.single_node import (
     boto3_download,
@@ -40,7 +40,7 @@ from benchmarks.single_node import (
 from objcache.config import parse_size
 from tests.helpers.cluster import Cluster
 from tests.helpers.mount import Mount, objcache
-from tests.helpers.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS
+from tests.helpers.seaweed import SeaweedFS
 
 MiB = 1 << 20
 DOCS = Path(__file__).parents[1] / "docs"
@@ -87,24 +87,6 @@ class System:
         self.name, self.mount, self.umount = name, mount, umount
 
 
-def _fuse_umount(path: Path) -> None:
-    for cmd in (["fusermount3", "-uz", str(path)], ["fusermount", "-uz", str(path)],
-                ["umount", "-l", str(path)]):
-        if subprocess.run(cmd, capture_output=True).returncode == 0:
-            return
-
-
-def _wait_mounted(path: Path, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if os.path.ismount(path):
-            return
-        if proc.poll() is not None:
-            raise RuntimeError(f"mount of {path} exited {proc.returncode}")
-        time.sleep(0.1)
-    raise RuntimeError(f"{path} did not mount")
-
-
 def _measure(sys_: System, s3: Any, bucket: str, big: str, big_size: int, small: list[str],
              r: dict[str, Any]) -> None:
     """The per-system workloads. Cold numbers come from a fresh mount and cache."""
@@ -145,9 +127,7 @@ def main() -> None:
                          "empty: skip it")
     args = ap.parse_args()
     big_size = parse_size(args.big_size)
-    for pkg, binary in (("s3fs", "s3fs"), ("rclone", "rclone")):
-        if shutil.which(binary) is None:
-            subprocess.run(["apt-get", "install", "-y", "-q", pkg], capture_output=True)
+    peers.install()
 
     work = Path(tempfile.mkdtemp(prefix="objcache-compare-"))
     weed = SeaweedFS(work)
@@ -189,55 +169,19 @@ def main() -> None:
 
         systems = [System("objcache", lambda: objcache_mount("one"), objcache_umount)]
 
-        procs: list[subprocess.Popen[bytes]] = []
-        creds = work / "s3fs.passwd"
-        creds.write_text(f"{ACCESS_KEY}:{SECRET_KEY}\n")
-        creds.chmod(0o600)
+        peer_mounts: list[ExitStack] = []
 
-        def s3fs_mount() -> tuple[Path, int]:
-            mnt = work / "mnt-s3fs"
-            mnt.mkdir(exist_ok=True)
-            p = subprocess.Popen(["s3fs", bucket, str(mnt), "-f", "-o",
-                                  f"url={weed.endpoint},use_path_request_style,"
-                                  f"passwd_file={creds},use_cache={work / 's3fs-cache'},"
-                                  "parallel_count=8,multipart_size=16"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            procs.append(p)
-            _wait_mounted(mnt, p)
-            return mnt, p.pid
-
-        def rclone_mount() -> tuple[Path, int]:
-            mnt = work / "mnt-rclone"
-            mnt.mkdir(exist_ok=True)
-            env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}  # plain http
-            env.update(RCLONE_CONFIG_B_TYPE="s3", RCLONE_CONFIG_B_PROVIDER="Other",
-                       RCLONE_CONFIG_B_ENDPOINT=weed.endpoint,
-                       RCLONE_CONFIG_B_ACCESS_KEY_ID=ACCESS_KEY,
-                       RCLONE_CONFIG_B_SECRET_ACCESS_KEY=SECRET_KEY)
-            p = subprocess.Popen(["rclone", "mount", f"b:{bucket}", str(mnt),
-                                  "--vfs-cache-mode", "full", "--cache-dir",
-                                  str(work / "rclone-cache"), "--dir-cache-time", "1h"],
-                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            procs.append(p)
-            _wait_mounted(mnt, p)
-            return mnt, p.pid
-
-        def stop_last(path_name: str) -> Callable[[], None]:
-            def stop() -> None:
-                _fuse_umount(work / path_name)
-                p = procs[-1]
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-                    try:
-                        p.wait(30)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-            return stop
+        def peer(fn: Callable[..., Any], name: str) -> System:
+            def mount() -> tuple[Path, int]:
+                stack = ExitStack()
+                peer_mounts.append(stack)
+                return stack.enter_context(fn(weed.endpoint, bucket, work, name))
+            return System(name, mount, lambda: peer_mounts.pop().close())
 
         if shutil.which("s3fs"):
-            systems.append(System("s3fs", s3fs_mount, stop_last("mnt-s3fs")))
+            systems.append(peer(peers.s3fs, "s3fs"))
         if shutil.which("rclone"):
-            systems.append(System("rclone", rclone_mount, stop_last("mnt-rclone")))
+            systems.append(peer(peers.rclone, "rclone"))
         for sys_ in systems:
             r: dict[str, Any] = {}
             try:

@@ -185,6 +185,7 @@ class Parts:
         """The background work, then (a member) joining the cluster: a refused secret or
         a taken node id fails here, before anything is mounted."""
         await nursery.start(self.cache.run)
+        await nursery.start(self.own_meta.run)
         await nursery.start(self.fs.run)
         if self.member is not None:
             m = self.member

@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+import trio
+
 from objcache.cache.statedb import StateDB
 from objcache.store import ObjectInfo
 
@@ -83,6 +85,15 @@ class ObjectMeta:
         self._written = 0
         self.hits = 0
         self.misses = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Write what was buffered at least every BATCH_SECONDS (a `kill -9` then loses
+        at most that much)."""
+        task_status.started()
+        while True:
+            await trio.sleep(BATCH_SECONDS)
+            self.flush()
 
     def get_many(self, versions: Sequence[tuple[str, str, int]]
                  ) -> dict[str, dict[str, str]]:

@@ -137,7 +137,6 @@ class SharedObjectMeta:
         task_status.started()
         while True:
             await trio.sleep(PUSH_SECONDS)
-            self.local.flush()
             outbox, self._outbox = self._outbox, defaultdict(list)
             async with trio.open_nursery() as n:
                 for owner, items in outbox.items():

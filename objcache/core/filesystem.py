@@ -29,7 +29,7 @@ import trio
 from objcache import CTRL_NAME
 from objcache.backend.base import Backend, Change, Moved, NsView
 from objcache.cache.localfiles import LocalFile, LocalFiles
-from objcache.cache.objmeta import NO_OBJECT_META, ObjectMetaSource
+from objcache.cache.objmeta import NO_OBJECT_META, ObjectMetaSource, modified_s
 from objcache.config import MountConfig
 from objcache.core.handles import EMPTY, BlobSource, FileHandle, ObjectSource, Source
 from objcache.core.inode import (
@@ -441,6 +441,7 @@ class Filesystem:
         """S3 now holds the inode's content as `ref` (an upload, a metadata copy)."""
         if not inode.is_dir:
             inode.etag, inode.size = ref.etag, ref.size
+            inode.modified = 0  # (a PUT's answer does not tell it)
         inode.in_s3 = True
         inode.overlay = None
         if attrs is not None:
@@ -466,11 +467,14 @@ class Filesystem:
         (not when it came from there)."""
         if remember and info.metadata is not None:
             self.meta.remember(info)
+        modified = modified_s(info)
         if inode.etag is not None and inode.etag != info.etag:
             inode.content_gen += 1
             inode.meta_loaded = False
             inode.target = None
             self.router.drop_object(inode.key, keep_etag=info.etag)
+        elif inode.modified and inode.modified != modified and info.metadata is None:
+            inode.meta_loaded = False  # the same bytes, rewritten metadata: ask again
         if info.metadata is not None:
             a = parse_meta(info.metadata, DEFAULT_FILE_MODE, self.uid, self.gid,
                            info.mtime_ns)
@@ -486,6 +490,7 @@ class Filesystem:
             inode.mtime_ns = inode.atime_ns = inode.ctime_ns = info.mtime_ns
         inode.size = info.size
         inode.etag = info.etag
+        inode.modified = modified
         inode.in_s3 = True
         inode.checked = time.monotonic()
         return inode
@@ -857,7 +862,7 @@ class Filesystem:
                 continue
             inode = self._by_key(info.key)
             if (inode is None or not inode.meta_loaded or inode.etag != info.etag
-                    or inode.is_dir):
+                    or inode.is_dir or inode.modified not in (0, modified_s(info))):
                 want.append(info)
         if not want:
             return {}

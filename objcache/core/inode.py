@@ -37,6 +37,8 @@ class Inode:
     """Attributes:
     key: object key relative to the mount prefix ('' for the root; no trailing '/').
     etag: ETag of the S3 version the attributes describe (files and symlinks).
+    modified: that version's Last-Modified second, as LIST and HEAD give it: a metadata
+        rewrite (a copy onto itself) keeps the ETag and moves this.
     meta_loaded: mode/uid/gid came from a HEAD (or an entry); a LIST does not return
         metadata.
     checked: monotonic time the attributes were last confirmed.
@@ -52,7 +54,7 @@ class Inode:
                  "ctime_ns", "rdev", "etag",
                  "meta_loaded", "checked", "lookups", "children", "listed", "target",
                  "in_s3", "content_gen", "kernel_gen", "created", "stale_lookups", "overlay",
-                 "read_children")
+                 "read_children", "modified")
 
     def __init__(self, ino: int, key: str, mode: int, uid: int, gid: int) -> None:
         self.ino = ino
@@ -66,6 +68,7 @@ class Inode:
         self.ctime_ns = 0
         self.rdev = 0
         self.etag: str | None = None
+        self.modified = 0  # S3's Last-Modified of that version, in seconds (0: not known)
         self.meta_loaded = False
         self.checked = 0.0
         self.lookups = 0

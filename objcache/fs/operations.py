@@ -246,7 +246,9 @@ class Operations(pyfuse3.Operations):  # type: ignore[misc]
 
     @fuse_op
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
-        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        # ENOSYS: the kernel stops asking (and answers EOPNOTSUPP itself), so `ls -l`
+        # does not cross into the daemon twice per file for its ACL and SELinux probes.
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     @fuse_op
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
