@@ -234,8 +234,7 @@ def _s(v: float | None) -> str:
 
 def report(res: dict[str, Any]) -> list[str]:
     n = res["files"]
-    out = [f"Metadata (benchmarks/metadata.py), {time.strftime('%Y-%m-%d %H:%M')} UTC, "
-           f"{n:,} files of 16 KiB in one directory; WAN: 12 ms each way, 80 MB/s per "
+    out = [f"{n:,} files of 16 KiB in one directory; WAN: 12 ms each way, 80 MB/s per "
            "connection.", "",
            "| workload | profile | objcache | s3fs-fuse | rclone | objcache / s3fs | "
            "objcache / rclone |", "|---|---|---|---|---|---|---|"]
@@ -279,11 +278,18 @@ def report(res: dict[str, Any]) -> list[str]:
     return out
 
 
+SECTION = "## Metadata at scale (`python -m benchmarks.metadata`)"
+
+
 def write_report(res: dict[str, Any]) -> None:
+    """Each run's table goes under the section (kept: runs are compared over time)."""
     path = DOCS / "benchmarks.md"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    text = text.rstrip("\n") + "\n\n## Metadata run\n\n" + "\n".join(report(res)) + "\n"
-    path.write_text(text)
+    if SECTION not in text:
+        intro = "\n\n".join((__doc__ or "").split("\n\n")[2:4])
+        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{intro}\n"
+    text = text.rstrip("\n") + f"\n\n### Run of {time.strftime('%Y-%m-%d %H:%M')} UTC\n\n"
+    path.write_text(text + "\n".join(report(res)) + "\n")
 
 
 if __name__ == "__main__":

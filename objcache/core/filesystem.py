@@ -91,7 +91,7 @@ REMOVED_MEMORY = 600.0
 # would be a wasted, billed request); a sweep is META_PREFETCH_AFTER stats in a row, each
 # within META_SWEEP_SLACK entries of the furthest one so far.
 META_PREFETCH_AFTER = 6
-META_SWEEP_SLACK = 16
+META_SWEEP_SLACK = 8
 META_PREFETCH = 16
 # How far ahead of the furthest stat it runs: META_PREFETCH at first (enough to keep
 # META_PREFETCH requests in flight), then a quarter of how far the sweep has come (so a

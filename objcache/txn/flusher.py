@@ -34,6 +34,7 @@ import trio
 from objcache.entries import DirEntry, Entry, FileEntry, FlushScope, Tombstone
 from objcache.errors import NoQuorum, ObjcacheError, StaleObject, StoreError, StoreRefused
 from objcache.store.meta import make_meta
+from objcache.store.s3 import attempt_timeout
 
 if TYPE_CHECKING:
     from objcache.cache.chunks import ChunkCache
@@ -58,8 +59,10 @@ class ClusterFlusher:
                  quarantine: Quarantine, s3_seconds: float = 60.0) -> None:
         self.quarantine = quarantine
         # How long a claim holds: longer than one S3 call with all its retries can take
-        # (each attempt waits at most 30 s), with room for clocks a little apart.
-        self.lease = s3_seconds + 45.0
+        # (the last attempt may start just before the budget ends and then wait its own
+        # timeout, a quarter of the budget within 5-30 s: objcache.store.s3), with room
+        # for clocks a little apart.
+        self.lease = s3_seconds + attempt_timeout(s3_seconds) + 5.0
         self.retry_after = min(RETRY_AFTER_FAILURE, max(0.5, delay))
         self.store = store
         self.txn = txn
@@ -258,22 +261,28 @@ class ClusterFlusher:
         try:
             while True:
                 todo = [(k, e) for k, e in self._snapshot() if self._wanted(k, e, scope)]
-                if not todo:
-                    self.quarantine.raise_if_refused(
-                        seen, lambda k: scope.kind == "mine" or scope.covers(k))
-                    return flushed
-                flushed = max(flushed, len(todo))
-                self._raise_failures(todo, started)
                 # Not caught up with the log (too few members up): nothing can be written
-                # back, and waiting forever would hang flush, umount and SIGTERM.
-                if self.txn.caught_up():
+                # back, and what this node knows may lack entries committed without it
+                # (so "nothing dirty here" proves nothing); waiting forever would hang
+                # flush, umount and SIGTERM.
+                caught_up = self.txn.caught_up()
+                if caught_up:
                     behind_since = None
                 elif behind_since is None:
                     behind_since = time.monotonic()
                 elif time.monotonic() - behind_since > self.txn.timeout:
-                    raise NoQuorum(f"{len(todo)} entries are still dirty: this node has not "
-                                   f"caught up with the cluster's log for "
+                    raise NoQuorum(f"{len(todo)} entries are dirty here, and this node has "
+                                   f"not caught up with the cluster's log for "
                                    f"{self.txn.timeout:.0f}s (too few members up?)")
+                if not todo and caught_up:
+                    self.quarantine.raise_if_refused(
+                        seen, lambda k: scope.kind == "mine" or scope.covers(k))
+                    return flushed
+                if not todo:
+                    await trio.sleep(0.2)
+                    continue
+                flushed = max(flushed, len(todo))
+                self._raise_failures(todo, started)
                 await self._push(todo, deadline, added)
         finally:
             if self._urgent is not None:

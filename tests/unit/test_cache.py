@@ -34,7 +34,8 @@ async def running(tmp_path: Path, store: MemoryStore, capacity: int = 100 << 20
     router = ChunkRouter(cache, Pins(cache))
     async with trio.open_nursery() as n:
         await n.start(cache.run)
-        yield db, router, LocalFiles(db, tmp_path, cache, router)
+        # (a write that needs room held by dirty data waits this long for write-back)
+        yield db, router, LocalFiles(db, tmp_path, cache, router, wait_budget=2.0)
         n.cancel_scope.cancel()
     cache.flush_atimes()
 
