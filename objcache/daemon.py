@@ -196,6 +196,9 @@ class Parts:
 
     async def stop(self) -> None:
         """Upload what is dirty (a member: what it owns or holds), then leave."""
+        # Now, not only in close(): a SIGTERM that comes after the event loop ended (a
+        # lazy unmount, then TERM) ends the process before close() runs.
+        self.own_meta.flush()
         try:
             await self.fs.drain()
         except ObjcacheError as e:
