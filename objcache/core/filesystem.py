@@ -93,10 +93,8 @@ REMOVED_MEMORY = 600.0
 META_PREFETCH_AFTER = 6
 META_SWEEP_SLACK = 8
 META_PREFETCH = 16
-# How far ahead of the furthest stat it runs: META_PREFETCH at first (enough to keep
-# META_PREFETCH requests in flight), then a quarter of how far the sweep has come (so a
-# sweep that stops wastes at most a quarter of the HEADs it used, plus META_PREFETCH), up
-# to META_PREFETCH_WINDOW.
+# How far ahead of the furthest stat it runs (a sweep that stops has fetched at most
+# this many for nothing).
 META_PREFETCH_WINDOW = 512
 META_READ_WINDOW = 64  # the same, in a directory whose files are being read
 MAX_SWEEPS = 4096  # directories whose stats are being followed
@@ -183,8 +181,9 @@ class _MetaPrefetch:
             self.moved = trio.Event()
 
     def window(self, reading: bool) -> int:
-        top = META_READ_WINDOW if reading else META_PREFETCH_WINDOW
-        return min(top, META_PREFETCH + self.cursor // 4)
+        # (A window growing with the sweep, a quarter of it, was tried: a 10,000-entry
+        # `ls -l` on a WAN-like S3 took 78-95 s against 23 s with the full window.)
+        return META_READ_WINDOW if reading else META_PREFETCH_WINDOW
 
 
 def _name(name: bytes | str) -> str:
@@ -565,8 +564,14 @@ class Filesystem:
         """A file known only from its directory's LIST is being stat'ed (see
         META_PREFETCH_AFTER)."""
         parent = self._parent_of(inode.key)
-        if (parent is None or parent.children is None or self._background is None
-                or parent.ino in self._meta_prefetching):
+        if parent is None or parent.children is None or self._background is None:
+            return
+        pf = self._meta_prefetching.get(parent.ino)
+        if pf is not None:
+            # A GETATTR moves the prefetch along as a LOOKUP does (after READDIRPLUS
+            # the kernel may ask either): without it the window stopped growing and a
+            # 10,000-entry `ls -l` on a WAN-like S3 went from 23 s to 95 s.
+            pf.saw(inode.key.rpartition("/")[2])
             return
         sweep = self._sweeps.get(parent.ino)
         if sweep is None or sweep.children is not parent.children:
