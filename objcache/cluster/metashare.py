@@ -20,7 +20,7 @@ import trio
 
 from objcache.cache.objmeta import ObjectMeta, modified_s
 from objcache.cluster.peers import field_int
-from objcache.errors import ProtocolError
+from objcache.errors import ObjcacheError, ProtocolError
 from objcache.store import ObjectInfo
 
 if TYPE_CHECKING:
@@ -97,7 +97,11 @@ class SharedObjectMeta:
         async def ask(owner: str, part: list[ObjectInfo]) -> None:
             msg = {"op": "meta.get",
                    "items": [[o.key, o.etag, modified_s(o)] for o in part]}
-            got = await self.client.call(owner, msg, 0, self.timeout)
+            try:
+                got = await self.client.call(owner, msg, 0, self.timeout)
+            except ObjcacheError as e:  # refused: a miss, HEADed as usual
+                log.info("metadata of %d keys not answered by %s: %s", len(part), owner, e)
+                return
             if got is None:
                 return
             want = {o.key: o for o in part}
@@ -141,9 +145,15 @@ class SharedObjectMeta:
             async with trio.open_nursery() as n:
                 for owner, items in outbox.items():
                     for i in range(0, len(items), ITEMS):
-                        n.start_soon(self.client.call, owner,
-                                     {"op": "meta.put", "items": items[i:i + ITEMS]}, 0,
-                                     self.timeout)
+                        n.start_soon(self._put_to, owner, items[i:i + ITEMS])
+
+    async def _put_to(self, owner: str, items: list[list[Any]]) -> None:
+        """Best effort: an owner that does not take them HEADs those keys itself."""
+        try:
+            await self.client.call(owner, {"op": "meta.put", "items": items}, 0,
+                                   self.timeout)
+        except ObjcacheError as e:
+            log.info("metadata for %d keys not taken by %s: %s", len(items), owner, e)
 
     # -- the owner's side -------------------------------------------------------------------
 

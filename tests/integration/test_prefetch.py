@@ -95,8 +95,9 @@ def test_interrupted_prefetch_resumes(s3, bucket, cluster, proxy):  # type: igno
     (node,) = [cluster.add("--chunk-size", "8M")]
     total = 24 * 8 * MIB
     proxy.reset()
-    # Each GET held 0.3 s: the prefetch cannot finish before the interrupt reaches it.
-    proxy.stall_next("GET_OBJECT", 24, 0.3)
+    # Each GET held 1.5 s: the prefetch cannot finish before the interrupt reaches it,
+    # however loaded the machine (with 0.3 s it did, twice, in CI).
+    proxy.stall_next("GET_OBJECT", 24, 1.5)
     proc = subprocess.Popen([sys.executable, "-m", "objcache", "prefetch", "--jobs", "1",
                              str(node.mnt / "big")], env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
