@@ -100,7 +100,10 @@ def test_interrupted_prefetch_resumes(s3, bucket, cluster, proxy):  # type: igno
     proxy.stall_next("GET_OBJECT", 24, 1.5)
     proc = subprocess.Popen([sys.executable, "-m", "objcache", "prefetch", "--jobs", "1",
                              str(node.mnt / "big")], env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE,
+                            # a suite started in the background (CI) has SIGINT ignored,
+                            # and children inherit that: Ctrl-C as a terminal sends it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while proxy.requests["GET_OBJECT"] < 3:
         assert time.monotonic() < deadline and proc.poll() is None
