@@ -83,8 +83,6 @@ class ObjectMeta:
         self._pending: dict[str, tuple[str, str, int, str]] = {}
         self._first_pending = 0.0
         self._written = 0
-        self.hits = 0
-        self.misses = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -113,8 +111,6 @@ class ObjectMeta:
                         out[key] = dict(json.loads(meta))
                     except (ValueError, TypeError):
                         continue  # a damaged row: HEAD again
-        self.hits += len(out)
-        self.misses += len(want) - len(out)
         return out
 
     async def lookup(self, objs: Sequence[ObjectInfo]) -> dict[str, dict[str, str]]:

@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -190,6 +191,27 @@ async def test_a_refused_key_is_retried_then_quarantined_in_the_background(
         assert store.inner.objects["good.bin"][0] == b"good"
 
 
+async def _listing_on_b_during(env: Env, change: Callable[[Env], Awaitable[None]]
+                               ) -> list[str]:
+    """B lists "d" with a LIST whose answer arrives 0.5 s after S3 read it; `change` runs
+    on A meanwhile. What the listing showed."""
+    env.store.lag("list", 0.5)
+    names: list[str] = []
+
+    async def lister() -> None:
+        names.extend(await env.b.listdir("d"))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(lister)
+        await trio.sleep(0.1)
+        await change(env)
+    return names
+
+
+async def _flush_one(env: Env) -> None:
+    assert await env.flush() >= 1
+
+
 async def test_a_listing_shows_a_file_whose_write_back_finished_while_it_ran(env: Env
                                                                              ) -> None:
     """S3's LIST answers what it held when it read: a file uploaded just after that has
@@ -200,16 +222,7 @@ async def test_a_listing_shows_a_file_whose_write_back_finished_while_it_ran(env
     await env.flush()
     await env.a.write("d/f", b"acknowledged")
     await env.settle()
-    env.store.lag("list", 0.5)
-    names: list[str] = []
-
-    async def lister() -> None:
-        names.extend(await env.b.listdir("d"))
-
-    async with trio.open_nursery() as n:
-        n.start_soon(lister)
-        await trio.sleep(0.1)
-        assert await env.flush() >= 1  # uploaded, and gone from the overlay
+    names = await _listing_on_b_during(env, _flush_one)  # uploaded, gone from the overlay
     assert "d/f" in env.objects
     assert sorted(names) == ["f", "old"]
     assert sorted(await env.b.listdir("d")) == ["f", "old"]
@@ -224,17 +237,11 @@ async def test_a_listing_hides_a_file_deleted_while_it_ran(env: Env) -> None:
     await env.a.write("d/gone", b"g")
     await env.flush()
     await env.b.stat("d/gone")  # known to B, its directory not listed yet
-    env.store.lag("list", 0.5)
-    names: list[str] = []
-
-    async def lister() -> None:
-        names.extend(await env.b.listdir("d"))
-
-    async with trio.open_nursery() as n:
-        n.start_soon(lister)
-        await trio.sleep(0.1)
+    async def remove(env: Env) -> None:
         await env.a.unlink("d/gone")
         await env.flush()
+
+    await _listing_on_b_during(env, remove)
     assert "d/gone" not in env.objects
     assert sorted(await env.b.listdir("d")) == ["old"]
     assert not await env.b.exists("d/gone")
