@@ -299,8 +299,8 @@ class Daemon:
         if soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         check_mountpoint(self.mountpoint, cfg.recover_mount)
-        store = S3Store(cfg.bucket, cfg.prefix, cfg.endpoint_url, cfg.region,
-                        cfg.s3_concurrency, cfg.s3_retry_seconds)
+        self.store = store = S3Store(cfg.bucket, cfg.prefix, cfg.endpoint_url, cfg.region,
+                                     cfg.s3_concurrency, cfg.s3_retry_seconds)
         store.check_bucket()
         self.cache_dir = CacheDir(cfg)
         self.parts = build(cfg, store, self.cache_dir.path, self.mountpoint,
@@ -377,4 +377,5 @@ class Daemon:
             if self._mounted:
                 pyfuse3.close(unmount=True)
             self.parts.close()
+            self.store.close()
             log.info("unmounted %s%s", self.mountpoint, "" if clean else " after an error")

@@ -85,14 +85,18 @@ MAX_KEPT_INODES = 200_000
 REMOVED_MEMORY = 600.0
 # A stat of a file known only from a LIST costs a HEAD (S3 lists no metadata). When such
 # stats sweep a listed directory in listing order (`ls -l`, `du`, a reader going through
-# its files), the rest of the directory is HEADed in the background, META_PREFETCH at a
-# time, from there: the stats then find their answer in flight or done instead of paying
+# its files), the rest of the directory is HEADed in the background by META_PREFETCH
+# tasks (META_BATCH HEADs each at a time; one GET each where files are being read), from
+# there: the stats then find their answer in flight or done instead of paying
 # one round trip each in sequence. Random stats never start it (every HEAD fetched ahead
 # would be a wasted, billed request); a sweep is META_PREFETCH_AFTER stats in a row, each
 # within META_SWEEP_SLACK entries of the furthest one so far.
 META_PREFETCH_AFTER = 6
 META_SWEEP_SLACK = 8
 META_PREFETCH = 16
+# HEADs one prefetch task sends at once (the store's batch path: one task per batch, not
+# per HEAD; a 10,000-entry cold `ls -l` on loopback went from 4.7 s to 3.4 s).
+META_BATCH = 16
 # How far ahead of the furthest stat it runs (a sweep that stops has fetched at most
 # this many for nothing).
 META_PREFETCH_WINDOW = 512
@@ -549,6 +553,41 @@ class Filesystem:
             raise NotFound(key)
         return fresh
 
+    async def _head_batch(self, inodes: list[Inode]) -> None:
+        """HEAD these file inodes in one store batch, as `_revalidate` would one by one
+        (stats of them meanwhile wait for the batch's answer instead of asking again).
+        A failed HEAD changes nothing: the stat that wants it asks again and says why."""
+        waiting: dict[str, tuple[Inode, trio.Event]] = {}
+        for inode in inodes:
+            e = self.backend.entry(inode.key)
+            if isinstance(e, FileEntry):
+                self._show(inode, e)
+            elif inode.key not in self._head_inflight:
+                inode.overlay = None
+                ev = self._head_inflight[inode.key] = trio.Event()
+                waiting[inode.key] = (inode, ev)
+
+        def answered(key: str, info: ObjectInfo | None | Exception) -> None:
+            inode, ev = waiting.pop(key)
+            try:
+                if info is None:
+                    if self.by_key.get(key) == inode.ino and key not in self.local.by_key:
+                        self._forget_child(inode)
+                elif not isinstance(info, Exception):
+                    self._apply_info(inode, info)
+            finally:
+                if self._head_inflight.get(key) is ev:
+                    del self._head_inflight[key]
+                ev.set()
+
+        try:
+            await self.store.head_many(list(waiting), answered)
+        finally:
+            for key, (_inode, ev) in waiting.items():
+                if self._head_inflight.get(key) is ev:
+                    del self._head_inflight[key]
+                ev.set()
+
     async def _head_file(self, inode: Inode) -> ObjectInfo | None:
         parent = self._parent_of(inode.key)
         if (not inode.meta_loaded and inode.etag is not None and parent is not None
@@ -606,24 +645,38 @@ class Filesystem:
                     if pf.next > pf.cursor + window:
                         return
                     continue
-                i = pf.next
-                name = pf.names[i]
-                pf.next += 1
-                inode = self.inodes.get(children.get(name, -1))
-                if (inode is None or inode.is_dir or inode.meta_loaded
-                        or inode.key in self.local.by_key):
-                    continue
-                if i > pf.cursor:
-                    pf.fetched.add(i)
-                try:
-                    await self._revalidate(inode)
-                except ObjcacheError:
-                    pass  # gone, or S3 trouble: the stat that wants it will say so
+                batch: list[Inode] = []
+                reading = bool(d.read_children)
+                while (pf.next < len(pf.names) and pf.next <= pf.cursor + window
+                       and len(batch) < (1 if reading else META_BATCH)):
+                    i = pf.next
+                    pf.next += 1
+                    inode = self.inodes.get(children.get(pf.names[i], -1))
+                    if (inode is None or inode.is_dir or inode.meta_loaded
+                            or inode.key in self.local.by_key
+                            or inode.key in self._head_inflight):
+                        continue
+                    if i > pf.cursor:
+                        pf.fetched.add(i)
+                    batch.append(inode)
+                if reading:
+                    # Files being read are fetched whole, one GET each (see _head_file).
+                    for inode in batch:
+                        try:
+                            await self._revalidate(inode)
+                        except ObjcacheError:
+                            pass  # gone, or S3 trouble: the stat that wants it will say
+                elif batch:
+                    await self._head_batch(batch)
 
         try:
             async with trio.open_nursery() as n:
                 for _ in range(META_PREFETCH):
                     n.start_soon(worker)
+        except Exception:
+            # Prefetching is an optimisation: its failure is a bug to log, not a reason
+            # to take the mount down (the stats it was serving ask for themselves).
+            log.exception("metadata prefetch in %r failed", d.key)
         finally:
             if self._meta_prefetching.get(d.ino) is pf:
                 del self._meta_prefetching[d.ino]

@@ -7,12 +7,15 @@ is the directory's key plus '/'. Implementations: `s3.S3Store` (boto3) and
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import trio
+
 # Awaited right before an upload becomes visible (see ObjectStore.put_file).
 Fence = Callable[[], Awaitable[None]]
+# One answer of `head_many`: what `head` returns, or the error it would raise.
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,13 @@ class ListPage:
 
 class ObjectStore(Protocol):
     async def head(self, key: str) -> ObjectInfo | None: ...
+
+    async def head_many(self, keys: Sequence[str],
+                        each: Callable[[str, ObjectInfo | None | Exception], None]) -> None:
+        """`head` of every key, as many at once as the store can; `each(key, answer)`
+        as answers come: what `head` returns, or the error it would raise (a failure is
+        not retried: the caller asks again with `head` if it must know)."""
+        ...
 
     def list_dir(self, prefix: str) -> AsyncIterator[ListPage]:
         """One level below `prefix` (which is '' or ends with '/'), page by page."""
@@ -95,3 +105,23 @@ class ObjectStore(Protocol):
         ...
 
     async def delete(self, key: str) -> None: ...
+
+
+async def head_each(store: ObjectStore, keys: Sequence[str],
+                    each: Callable[[str, ObjectInfo | None | Exception], None],
+                    at_once: int = 16) -> None:
+    """`head_many` by one `head` per key, `at_once` at a time: for stores with no batch
+    path of their own."""
+    limiter = trio.CapacityLimiter(at_once)
+
+    async def one(key: str) -> None:
+        async with limiter:
+            try:
+                answer: ObjectInfo | None | Exception = await store.head(key)
+            except Exception as e:  # handed to the caller, who decides
+                answer = e
+        each(key, answer)
+
+    async with trio.open_nursery() as n:
+        for key in keys:
+            n.start_soon(one, key)

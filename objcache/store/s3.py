@@ -11,7 +11,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 from xml.etree import ElementTree
 
@@ -21,7 +21,6 @@ import trio
 import urllib3
 from botocore.config import Config
 from botocore.parsers import ResponseParserError
-from botocore.response import StreamingBody
 from s3transfer.utils import ReadFileChunk
 
 from objcache.errors import (
@@ -34,7 +33,7 @@ from objcache.errors import (
     first_error,
 )
 from objcache.metrics import S3_SECONDS
-from objcache.store import Fence, ListPage, ObjectInfo
+from objcache.store import Fence, ListPage, ObjectInfo, head_each
 from objcache.store.parts import part_ranges
 from objcache.store.signed import SignedHttp
 
@@ -56,6 +55,14 @@ _TRANSIENT_EXC = (
     # connection) is a failed attempt like any other: try again.
     ResponseParserError, ElementTree.ParseError,
 )
+
+
+async def _timed(op: str, attempt: Callable[[], Awaitable[T]]) -> T:
+    t0 = time.perf_counter()
+    try:
+        return await attempt()
+    finally:
+        S3_SECONDS.labels(op).observe(time.perf_counter() - t0)
 
 
 def attempt_timeout(retry_seconds: float) -> float:
@@ -148,28 +155,31 @@ class S3Store:
             self.fast = SignedHttp(self.client, session.get_credentials(), bucket,
                                    pool=3 * concurrency + 8, read_timeout=timeout)
 
+    def close(self) -> None:
+        """Stop the request engine's thread (idempotent)."""
+        if self.fast is not None:
+            self.fast.close()
+
     # -- plumbing -------------------------------------------------------------------------
 
     def _full(self, key: str) -> str:
         return self.base + key
 
-    @staticmethod
-    async def _timed(op: str, fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
-        t0 = time.perf_counter()
-        try:
-            return await trio.to_thread.run_sync(fn, limiter=limiter)
-        finally:
-            S3_SECONDS.labels(op).observe(time.perf_counter() - t0)
-
     async def _call(self, op: str, key: str, fn: Callable[[], T],
                     limiter: trio.CapacityLimiter) -> T:
         """Run `fn` in a thread; retry transient failures with jittered backoff."""
+        return await self._retry(op, key,
+                                 lambda: trio.to_thread.run_sync(fn, limiter=limiter))
+
+    async def _retry(self, op: str, key: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Await `attempt()` until it succeeds, a failure is permanent, or the retry
+        budget is spent; transient failures are retried with jittered backoff."""
         deadline = time.monotonic() + self.retry_seconds
         delay = 0.1
         while True:
             self.stats.requests[op] += 1
             try:
-                return await self._timed(op, fn, limiter)
+                return await _timed(op, attempt)
             except bex.ClientError as e:
                 code, status = _code(e), _status(e)
                 if code in ("NoSuchKey", "NotFound", "404") or status == 404:
@@ -238,39 +248,82 @@ class S3Store:
 
     async def head(self, key: str) -> ObjectInfo | None:
         fast = self.fast
+        full = self._full(key)
+
+        async def through_engine() -> Any:
+            assert fast is not None
+            return await fast.head_async(full)
 
         def fn() -> Any:
-            if fast is not None:
-                return fast.head(self._full(key))
-            return self.client.head_object(Bucket=self.bucket, Key=self._full(key))
+            return self.client.head_object(Bucket=self.bucket, Key=full)
         try:
-            r = await self._call("head", key, fn, self.meta_limiter)
+            r = await (self._retry("head", key, through_engine) if fast is not None
+                       else self._call("head", key, fn, self.meta_limiter))
         except NotFound:
             return None
         return self._info(key, r["ContentLength"], r["ETag"], r["LastModified"],
                           dict(r.get("Metadata") or {}))
+
+    async def head_many(self, keys: Sequence[str],
+                        each: Callable[[str, ObjectInfo | None | Exception], None]) -> None:
+        """One engine batch (the sweep prefetch of a cold `ls -l` lands here): no task,
+        retry loop or thread hop per key. Without the engine, `head` per key."""
+        fast = self.fast
+        if fast is None:
+            await head_each(self, keys, each)
+            return
+        keys = list(keys)
+        self.stats.requests["head"] += len(keys)
+        t0 = time.perf_counter()
+        seconds = S3_SECONDS.labels("head")
+
+        def answered(i: int, r: dict[str, Any] | BaseException) -> None:
+            key = keys[i]
+            seconds.observe(time.perf_counter() - t0)
+            if isinstance(r, BaseException):
+                if isinstance(r, bex.ClientError) and (_status(r) == 404 or _code(r) in (
+                        "NoSuchKey", "NotFound", "404")):
+                    each(key, None)
+                else:
+                    self.stats.errors["head"] += 1
+                    each(key, StoreUnavailable(f"S3 head of {key!r}: {r}"))
+                return
+            each(key, self._info(key, r["ContentLength"], r["ETag"], r["LastModified"],
+                                 dict(r.get("Metadata") or {})))
+
+        await fast.head_many([self._full(k) for k in keys], answered)
 
     async def head_by_get(self, key: str, length: int, fd: int) -> tuple[ObjectInfo, int] | None:
         """A HEAD answered by a GET of the first `length` bytes, which land in `fd` at 0:
         one request where a stat and a read of a small file would take two. Returns what
         a HEAD says and how many bytes were written; None if there is no such object."""
         fast = self.fast
+        full = self._full(key)
+
+        async def through_engine() -> tuple[dict[str, Any], int]:
+            assert fast is not None
+            body, r = await fast.get_first_async(full, length)
+            want = min(length, r["ContentLength"])
+            if len(body) < want:
+                raise bex.IncompleteReadError(actual_bytes=len(body), expected_bytes=want)
+            # At most SMALL_OBJECT bytes, into the page cache: not worth a thread hop.
+            os.pwrite(fd, memoryview(body)[:want], 0)
+            self.stats.bytes_in += want
+            return r, want
 
         def fn() -> tuple[dict[str, Any], int]:
-            if fast is not None:
-                body, r = fast.get_first(self._full(key), length)
-            else:
-                r = self.client.get_object(Bucket=self.bucket, Key=self._full(key),
-                                           Range=f"bytes=0-{length - 1}")
-                body = r["Body"]
-                if r.get("ContentRange"):
-                    r["ContentLength"] = int(r["ContentRange"].rpartition("/")[2])
+            r = self.client.get_object(Bucket=self.bucket, Key=full,
+                                       Range=f"bytes=0-{length - 1}")
+            body = r["Body"]
+            if r.get("ContentRange"):
+                r["ContentLength"] = int(r["ContentRange"].rpartition("/")[2])
             want = min(length, r["ContentLength"])
             self._body_into(body, want, fd, 0)
             return r, want
 
         try:
-            r, got = await self._call("get", key, fn, self.get_limiter)
+            r, got = await (self._retry("get", key, through_engine) if fast is not None
+                            else self._call("get", key, fn, self.get_limiter))
         except NotFound:
             return None
         return self._info(key, r["ContentLength"], r["ETag"], r["LastModified"],
@@ -371,8 +424,7 @@ class S3Store:
         await self._call("get", key, fn, self.get_limiter)
 
     def _body_into(self, body: Any, length: int, fd: int, file_offset: int) -> None:
-        """Copy a GET's body (boto3's stream or objcache.store.signed's response) into
-        `fd`, then close it; in a worker thread."""
+        """Copy boto3's GET body into `fd`, then close it; in a worker thread."""
         done = 0
         try:
             while done < length:
@@ -382,10 +434,7 @@ class S3Store:
                 os.pwrite(fd, piece, file_offset + done)
                 done += len(piece)
         finally:
-            if isinstance(body, StreamingBody):
-                body.close()
-            else:
-                SignedHttp.done(body, done == length)
+            body.close()
         self.stats.bytes_in += done
         if done != length:
             # A short body is a dropped connection: let the retry loop fetch it again.

@@ -1,4 +1,5 @@
-"""The hot small S3 requests (HEAD, ranged GET, LIST) as plain SigV4-signed HTTP on urllib3.
+"""The hot S3 reads (HEAD, GET, LIST) as plain SigV4-signed HTTP: HEAD and small GETs on
+libcurl's multi interface (objcache/store/curl.py), ranged chunk GETs and LIST on urllib3.
 
 boto3's per-call machinery (parameter validation, event hooks, response parsing) costs
 about 3 ms of CPU per request; a cold `ls -l` or a pass over small files is nothing but
@@ -6,7 +7,8 @@ such requests, and in one Python process that CPU is the ceiling (measured with 
 threads against SeaweedFS on 2 vCPUs: HEAD 335/s with boto3, 1,170/s here; GET of 16 KiB
 336/s vs 785/s; a LIST page is parsed without botocore's per-entry date parsing). Credentials
 come from boto3's chain; signing is `SigV4` below (botocore's rules, with the signing key
-kept for the day); everything else (PUT, multipart, COPY, DELETE) stays on boto3.
+kept for the day). Through libcurl a HEAD costs 60-75 µs of CPU instead of about 500 µs
+with urllib3 and 16 threads. Everything else (PUT, multipart, COPY, DELETE) stays on boto3.
 
 Failures are raised as the same botocore exceptions boto3 would raise (ClientError with
 the S3 error code and HTTP status, or a connection/timeout error), so S3Store's one retry
@@ -22,7 +24,7 @@ import re
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -31,6 +33,8 @@ import botocore.exceptions as bex
 import urllib3
 from botocore.httpsession import get_cert_path
 from botocore.utils import percent_encode
+
+from objcache.store.curl import CurlEngine, Reply, Request
 
 _META = "x-amz-meta-"
 _PIECE = 1 << 20  # bytes per readinto (and per progress report) of a GET body
@@ -63,6 +67,16 @@ class SignedHttp:
         self._pool = urllib3.PoolManager(maxsize=pool, block=False, retries=retries,
                                          ca_certs=ca)
         self._signer = SigV4(self._region)
+        # HEAD and small GET, the requests that come by the thousand, go through libcurl
+        # in one thread instead (objcache/store/curl.py); the rest stays on urllib3.
+        # 64 in flight: against SeaweedFS on loopback, 5,600 HEAD/s with 16 and 7,700/s
+        # with 64.
+        self.engine = CurlEngine(max(pool, 64), connect_timeout, read_timeout,
+                                 ca if self._base.startswith("https:") else None)
+
+    def close(self) -> None:
+        self.engine.close()
+        self._pool.clear()
 
     @staticmethod
     def usable(client: Any, bucket: str) -> bool:
@@ -73,13 +87,17 @@ class SignedHttp:
         s3 = client.meta.config.s3 or {}
         return s3.get("addressing_style") == "path" or bool(_DNS_BUCKET.match(bucket))
 
-    def _request(self, method: str, key: str, headers: dict[str, str],
-                 query: str = "") -> Any:
+    def _signed(self, method: str, key: str, headers: dict[str, str],
+                query: str = "") -> tuple[str, dict[str, str]]:
         url = self._base + percent_encode(key, safe="/~") + (f"?{query}" if query else "")
         creds = self._credentials
         if creds is None:
             raise bex.NoCredentialsError()
-        headers = self._signer.sign(method, url, headers, creds.get_frozen_credentials())
+        return url, self._signer.sign(method, url, headers, creds.get_frozen_credentials())
+
+    def _request(self, method: str, key: str, headers: dict[str, str],
+                 query: str = "") -> Any:
+        url, headers = self._signed(method, key, headers, query)
         try:
             return self._pool.request(method, url, headers=headers,
                                       preload_content=False, timeout=self._timeout,
@@ -94,17 +112,50 @@ class SignedHttp:
     def _raise(self, r: Any, op: str) -> None:
         body = b"" if op == "HeadObject" else r.read()  # error bodies are small
         r.release_conn()
-        code = str(r.status)
-        message = r.reason or ""
-        if body:
-            try:
-                root = ET.fromstring(body)
-                code = root.findtext("Code") or code
-                message = root.findtext("Message") or message
-            except ET.ParseError:
-                pass
-        raise bex.ClientError({"Error": {"Code": code, "Message": message},
-                               "ResponseMetadata": {"HTTPStatusCode": r.status}}, op)
+        raise _client_error(r.status, r.reason or "", body, op)
+
+    def _engine_request(self, method: str, key: str, headers: dict[str, str],
+                        limit: int) -> Request:
+        url, signed = self._signed(method, key, headers)
+        return Request(url, [f"{k}: {v}" for k, v in signed.items()], method == "HEAD",
+                       limit)
+
+    async def _fetch(self, method: str, key: str, headers: dict[str, str],
+                     limit: int) -> Reply:
+        return await self.engine.fetch(self._engine_request(method, key, headers, limit))
+
+    async def head_async(self, key: str) -> dict[str, Any]:
+        """`head`, through the engine: no thread waits for it."""
+        return _head_answer(await self._fetch("HEAD", key, {}, 0))
+
+    async def head_many(self, keys: list[str],
+                        each: Callable[[int, dict[str, Any] | BaseException], None]
+                        ) -> None:
+        """HEAD every key at once; `each(index, answer)` as answers come: what `head`
+        returns, or what it would raise."""
+        def answered(i: int, reply: Reply | BaseException) -> None:
+            answer: dict[str, Any] | BaseException = reply
+            if isinstance(reply, Reply):
+                try:
+                    answer = _head_answer(reply)
+                except bex.ClientError as e:
+                    answer = e
+            each(i, answer)
+
+        await self.engine.fetch_many([self._engine_request("HEAD", k, {}, 0) for k in keys],
+                                     answered)
+
+    async def get_first_async(self, key: str, length: int) -> tuple[bytes, dict[str, Any]]:
+        """The first `length` bytes (fewer if the
+        object is smaller; all of them) and what a HEAD would have said."""
+        r = await self._fetch("GET", key, {"Range": f"bytes=0-{length - 1}"}, length)
+        if r.status == 206:
+            total = int(r.headers.get("content-range", "/0").rpartition("/")[2])
+        elif r.status == 200:
+            total = int(r.headers.get("content-length", 0))
+        else:
+            raise _client_error(r.status, r.reason, r.body, "GetObject")
+        return r.body, _described(_Lower(r.headers), total)
 
     def head(self, key: str) -> dict[str, Any]:
         """head_object's answer: ContentLength, ETag, LastModified, Metadata."""
@@ -113,18 +164,6 @@ class SignedHttp:
             self._raise(r, "HeadObject")
         r.release_conn()
         return _described(r.headers, int(r.headers.get("Content-Length", 0)))
-
-    def get_first(self, key: str, length: int) -> tuple[Any, dict[str, Any]]:
-        """GET the first `length` bytes (fewer if the object is smaller): the open response
-        (read it, then `done`) and what a HEAD would have said, from its headers."""
-        r = self._request("GET", key, {"Range": f"bytes=0-{length - 1}"})
-        if r.status == 206:
-            total = int(r.headers.get("Content-Range", "/0").rpartition("/")[2])
-        elif r.status == 200:
-            total = int(r.headers.get("Content-Length", 0))
-        else:
-            self._raise(r, "GetObject")
-        return r, _described(r.headers, total)
 
     def get(self, key: str, start: int, length: int, etag: str | None) -> Any:
         """An open response carrying exactly bytes start..start+length-1. Read it, then
@@ -272,6 +311,34 @@ class SigV4:
         return out
 
 
+def _head_answer(r: Reply) -> dict[str, Any]:
+    if r.status != 200:
+        raise _client_error(r.status, r.reason, b"", "HeadObject")
+    return _described(_Lower(r.headers), int(r.headers.get("content-length", 0)))
+
+
+def _client_error(status: int, reason: str, body: bytes, op: str) -> bex.ClientError:
+    """What boto3 raises for this answer: the S3 error code from the body when it has
+    one, else the HTTP status."""
+    code, message = str(status), reason
+    if body:
+        try:
+            root = ET.fromstring(body)
+            code = root.findtext("Code") or code
+            message = root.findtext("Message") or message
+        except ET.ParseError:
+            pass
+    return bex.ClientError({"Error": {"Code": code, "Message": message},
+                            "ResponseMetadata": {"HTTPStatusCode": status}}, op)
+
+
+class _Lower(dict[str, str]):
+    """Headers whose names are lowercase already, read as `_described` reads them."""
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return super().get(name.lower(), default)
+
+
 def _iso_date(value: str) -> datetime:
     if not value:
         return datetime.fromtimestamp(0).astimezone()
@@ -284,7 +351,21 @@ def _described(h: Any, size: int) -> dict[str, Any]:
             "LastModified": _http_date(h.get("Last-Modified")), "Metadata": meta}
 
 
+_MONTHS = {m: i for i, m in enumerate(
+    ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"), 1)}
+
+
 def _http_date(value: str | None) -> datetime:
     if not value:
         return datetime.fromtimestamp(0).astimezone()
+    # The IMF-fixdate every S3 server sends ("Tue, 24 Nov 2026 11:04:59 GMT") directly,
+    # 1.7 µs against parsedate_to_datetime's 4.2 µs (a cold `ls -l` parses one per entry).
+    parts = value.split(" ")
+    if len(parts) == 6 and parts[5] == "GMT" and parts[2] in _MONTHS:
+        try:
+            h, m, sec = parts[4].split(":")
+            return datetime(int(parts[3]), _MONTHS[parts[2]], int(parts[1]), int(h), int(m),
+                            int(sec), tzinfo=UTC)
+        except ValueError:
+            pass
     return parsedate_to_datetime(value)

@@ -8,7 +8,7 @@ reads its old object until write-back has copied it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from objcache.entries import Tombstone
@@ -40,6 +40,17 @@ class OverlayStore:
         if self._tombstoned(key):
             return None
         return await self.store.head(key)
+
+    async def head_many(self, keys: Sequence[str],
+                        each: Callable[[str, ObjectInfo | None | Exception], None]) -> None:
+        ask = []
+        for key in keys:
+            if self._tombstoned(key):
+                each(key, None)
+            else:
+                ask.append(key)
+        if ask:
+            await self.store.head_many(ask, each)
 
     async def head_by_get(self, key: str, length: int, fd: int
                           ) -> tuple[ObjectInfo, int] | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +20,7 @@ from objcache.core.filesystem import Filesystem
 from objcache.core.inode import ROOT_INO, Attr
 from objcache.daemon import Parts, build
 from objcache.errors import NotFound, ObjcacheError, StoreRefused, StoreUnavailable
+from objcache.store import head_each
 from tests.helpers.cluster import free_port
 from tests.helpers.memstore import MemoryStore
 
@@ -105,6 +106,9 @@ class FaultyStore:
     async def head(self, key: str) -> Any:
         await self._before("head")
         return await self.inner.head(key)
+
+    async def head_many(self, keys: Sequence[str], each: Callable[[str, Any], None]) -> None:
+        await head_each(self, keys, each)  # each HEAD meets the injected faults
 
     def list_dir(self, prefix: str) -> AsyncIterator[Any]:
         return self._list_dir(prefix)

@@ -6,13 +6,13 @@ import hashlib
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import trio
 import trio.lowlevel
 
 from objcache.errors import StaleObject
-from objcache.store import ListPage, ObjectInfo
+from objcache.store import ListPage, ObjectInfo, head_each
 
 
 class MemoryStore:
@@ -31,6 +31,10 @@ class MemoryStore:
     def _info(self, key: str, with_meta: bool) -> ObjectInfo:
         body, meta, etag, mtime = self.objects[key]
         return ObjectInfo(key, len(body), etag, mtime, dict(meta) if with_meta else None)
+
+    async def head_many(self, keys: Sequence[str],
+                        each: Callable[[str, ObjectInfo | None | Exception], None]) -> None:
+        await head_each(self, keys, each)
 
     async def head(self, key: str) -> ObjectInfo | None:
         self.calls["head"] += 1

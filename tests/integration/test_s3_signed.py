@@ -5,6 +5,7 @@ boto3's path, for awkward keys too."""
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import trio
@@ -104,3 +105,53 @@ async def test_listings_match_boto3(seaweed, bucket, s3, creds) -> None:  # type
     assert everything == await flat(slow, "") and len(everything) == len(keys)
     assert await flat(fast, "", "many/00500") == await flat(slow, "", "many/00500")
     assert await fast.has_prefix("ünïcode/") and not await fast.has_prefix("nothing/")
+
+
+async def test_head_many_through_the_engine(seaweed, bucket, s3, creds, monkeypatch) -> None:  # type: ignore
+    """The batch path (objcache/store/curl.py) gives what `head` gives, key by key; a
+    missing key is None, a refused one an error; a cancelled batch leaves the engine
+    working; a closed engine fails at once instead of waiting."""
+    fast, _ = _stores(seaweed, bucket)
+    keys = [f"b/{i:04d}" for i in range(300)] + KEYS
+    for k in keys:
+        s3.put_object(Bucket=bucket, Key=f"pre/{k}", Body=k.encode(), Metadata={"k": "v"})
+    got: dict[str, object] = {}
+    await fast.head_many([*keys, "b/missing"], got.__setitem__)
+    assert set(got) == {*keys, "b/missing"} and got["b/missing"] is None
+    for k in ("b/0000", "b/0299", *KEYS):
+        assert got[k] == await fast.head(k), k
+    assert fast.stats.requests["head"] >= len(keys) + 1 and not fast.stats.errors
+
+    with trio.move_on_after(0.001):  # cancelled with most of the batch in flight
+        await fast.head_many(keys, lambda k, a: None)
+    again: dict[str, object] = {}
+    await fast.head_many(keys[:50], again.__setitem__)
+    assert all(again[k] == got[k] for k in keys[:50])
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    bad = S3Store(bucket, "pre", seaweed.endpoint, retry_seconds=2)
+    refused: dict[str, object] = {}
+    await bad.head_many(keys[:3], refused.__setitem__)
+    assert all(isinstance(a, StoreError) for a in refused.values()), refused
+    bad.close()
+
+    fast.close()
+    with trio.fail_after(5), pytest.raises(ConnectionError, match="closed"):
+        await fast.head_many(keys[:3], lambda k, a: None)
+
+
+async def test_engine_transport_failures_are_retried_then_reported(creds) -> None:  # type: ignore
+    from objcache.errors import StoreUnavailable
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = S3Store("bucket", "pre", f"http://127.0.0.1:{port}", retry_seconds=1)
+    assert store.fast is not None
+    with trio.fail_after(10):
+        with pytest.raises(StoreUnavailable, match="head of 'k'"):
+            await store.head("k")
+        got: dict[str, object] = {}
+        await store.head_many(["a", "b"], got.__setitem__)
+    assert all(isinstance(a, StoreUnavailable) for a in got.values()), got
+    assert store.stats.retries["head"] >= 1
+    store.close()

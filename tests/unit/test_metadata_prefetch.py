@@ -145,3 +145,22 @@ async def test_a_forgotten_directory_keeps_its_files_metadata(env) -> None:  # t
     for i in range(100):
         await fs.lookup(d2, f"{i:05d}")
     assert store.calls["head"] == 0 and store.calls["list"] == 0, store.calls
+
+
+async def test_a_failing_prefetch_is_logged_and_the_stats_still_answer(
+        env, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    # An unexpected error in the background batch once took the whole mount down.
+    fs, store = env
+    d = await _listed_dir(fs)
+
+    async def broken(keys, each):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected: the batch path broke")
+
+    store.head_many = broken
+    store.calls.clear()
+    for i in range(40):
+        attr = await fs.lookup(d, f"{i:05d}")
+        assert attr.size == len(f"file {i}".encode() * 100)
+    await trio.sleep(0.2)
+    assert "metadata prefetch in 'd' failed" in caplog.text
+    assert store.calls["head"] == 40  # each stat asked for itself
