@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -240,6 +240,11 @@ class ChunkRouter:
     async def head_by_get(self, store: ObjectStore, key: str, listed_size: int
                           ) -> ObjectInfo | None:
         return await self.cache.head_by_get(store, key, listed_size)
+
+    async def head_by_get_many(self, store: ObjectStore, items: Sequence[tuple[str, int]],
+                               each: Callable[[str, ObjectInfo | None | Exception], None]
+                               ) -> None:
+        await self.cache.head_by_get_many(store, items, each)
 
     # -- object-level changes -------------------------------------------------------------
 

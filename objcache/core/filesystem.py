@@ -533,21 +533,26 @@ class Filesystem:
             return inode
         inode.overlay = None
         key = inode.key
-        ev = self._head_inflight.get(key)
-        if ev is not None:
+        asked = time.monotonic()
+        while (ev := self._head_inflight.get(key)) is not None:
             await ev.wait()
-        else:
-            ev = self._head_inflight[key] = trio.Event()
-            try:
-                info = await self._head_file(inode)
-                if info is None:
-                    if self.by_key.get(key) == inode.ino and key not in self.local.by_key:
-                        self._forget_child(inode)
-                    raise NotFound(key)
-                inode = self._apply_info(inode, info)
-            finally:
-                del self._head_inflight[key]
-                ev.set()
+            fresh = self._by_key(key)
+            if fresh is None:
+                raise NotFound(key)
+            if fresh.checked >= asked:
+                return fresh  # answered while we waited
+            inode = fresh  # that HEAD failed: ask ourselves (and say why if we fail too)
+        ev = self._head_inflight[key] = trio.Event()
+        try:
+            info = await self._head_file(inode)
+            if info is None:
+                if self.by_key.get(key) == inode.ino and key not in self.local.by_key:
+                    self._forget_child(inode)
+                raise NotFound(key)
+            inode = self._apply_info(inode, info)
+        finally:
+            del self._head_inflight[key]
+            ev.set()
         fresh = self._by_key(key)
         if fresh is None:
             raise NotFound(key)
@@ -567,6 +572,12 @@ class Filesystem:
                 ev = self._head_inflight[inode.key] = trio.Event()
                 waiting[inode.key] = (inode, ev)
 
+        # Files being read are fetched whole, one GET each, as _head_file does.
+        whole = [(k, inode.size) for k, (inode, _ev) in waiting.items()
+                 if self._fetch_whole(inode)]
+        fetched_whole = {k for k, _ in whole}
+        heads = [k for k in waiting if k not in fetched_whole]
+
         def answered(key: str, info: ObjectInfo | None | Exception) -> None:
             inode, ev = waiting.pop(key)
             try:
@@ -581,21 +592,28 @@ class Filesystem:
                 ev.set()
 
         try:
-            await self.store.head_many(list(waiting), answered)
+            async with trio.open_nursery() as n:
+                if whole:
+                    n.start_soon(self.router.head_by_get_many, self.store, whole, answered)
+                if heads:
+                    n.start_soon(self.store.head_many, heads, answered)
         finally:
             for key, (_inode, ev) in waiting.items():
                 if self._head_inflight.get(key) is ev:
                     del self._head_inflight[key]
                 ev.set()
 
-    async def _head_file(self, inode: Inode) -> ObjectInfo | None:
+    def _fetch_whole(self, inode: Inode) -> bool:
+        """Known only from a LIST, in a directory whose files are being read (not just
+        stat'ed, like `ls -l`): a small one is fetched whole by the same request that
+        tells its metadata."""
         parent = self._parent_of(inode.key)
-        if (not inode.meta_loaded and inode.etag is not None and parent is not None
-                and parent.read_children
-                and self.router.fetches_whole(inode.key, inode.size, inode.etag)):
-            # Known only from a LIST, in a directory whose files are being read (not
-            # just stat'ed, like `ls -l`): a small one is fetched whole by the same
-            # request that tells its metadata.
+        return (not inode.meta_loaded and inode.etag is not None and parent is not None
+                and bool(parent.read_children)
+                and self.router.fetches_whole(inode.key, inode.size, inode.etag))
+
+    async def _head_file(self, inode: Inode) -> ObjectInfo | None:
+        if self._fetch_whole(inode):
             return await self.router.head_by_get(self.store, inode.key, inode.size)
         return await self.store.head(inode.key)
 
@@ -646,9 +664,8 @@ class Filesystem:
                         return
                     continue
                 batch: list[Inode] = []
-                reading = bool(d.read_children)
                 while (pf.next < len(pf.names) and pf.next <= pf.cursor + window
-                       and len(batch) < (1 if reading else META_BATCH)):
+                       and len(batch) < META_BATCH):
                     i = pf.next
                     pf.next += 1
                     inode = self.inodes.get(children.get(pf.names[i], -1))
@@ -659,14 +676,7 @@ class Filesystem:
                     if i > pf.cursor:
                         pf.fetched.add(i)
                     batch.append(inode)
-                if reading:
-                    # Files being read are fetched whole, one GET each (see _head_file).
-                    for inode in batch:
-                        try:
-                            await self._revalidate(inode)
-                        except ObjcacheError:
-                            pass  # gone, or S3 trouble: the stat that wants it will say
-                elif batch:
+                if batch:
                     await self._head_batch(batch)
 
         try:

@@ -7,6 +7,7 @@ is the directory's key plus '/'. Implementations: `s3.S3Store` (boto3) and
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -72,6 +73,14 @@ class ObjectStore(Protocol):
         `fd` at 0; also how many were. None if there is no such object."""
         ...
 
+    async def get_small_many(
+            self, items: Sequence[tuple[str, int]],
+            each: Callable[[str, tuple[ObjectInfo, bytes] | None | Exception], None]) -> None:
+        """`head_by_get` of every (key, length) at once, the bytes handed over instead of
+        written: `each(key, (info, first bytes))`, None when there is no such object, or
+        the error (not retried), as `head_many` answers."""
+        ...
+
     async def put_bytes(self, key: str, body: bytes, metadata: dict[str, str]) -> str: ...
 
     async def put_file(self, key: str, path: str, size: int, metadata: dict[str, str],
@@ -125,3 +134,29 @@ async def head_each(store: ObjectStore, keys: Sequence[str],
     async with trio.open_nursery() as n:
         for key in keys:
             n.start_soon(one, key)
+
+
+async def get_small_each(store: ObjectStore, items: Sequence[tuple[str, int]],
+                         each: Callable[[str, tuple[ObjectInfo, bytes] | None | Exception],
+                                        None],
+                         at_once: int = 16) -> None:
+    """`get_small_many` by one `head_by_get` per key (into an in-memory file), `at_once` at
+    a time: for stores with no batch path of their own."""
+    limiter = trio.CapacityLimiter(at_once)
+
+    async def one(key: str, length: int) -> None:
+        async with limiter:
+            fd = os.memfd_create("objcache-small")
+            try:
+                got = await store.head_by_get(key, length, fd)
+                answer: tuple[ObjectInfo, bytes] | None | Exception = (
+                    None if got is None else (got[0], os.pread(fd, got[1], 0)))
+            except Exception as e:  # handed to the caller, who decides
+                answer = e
+            finally:
+                os.close(fd)
+        each(key, answer)
+
+    async with trio.open_nursery() as n:
+        for key, length in items:
+            n.start_soon(one, key, length)

@@ -33,7 +33,7 @@ from objcache.errors import (
     first_error,
 )
 from objcache.metrics import S3_SECONDS
-from objcache.store import Fence, ListPage, ObjectInfo, head_each
+from objcache.store import Fence, ListPage, ObjectInfo, get_small_each, head_each
 from objcache.store.parts import part_ranges
 from objcache.store.signed import SignedHttp
 
@@ -264,6 +264,49 @@ class S3Store:
         return self._info(key, r["ContentLength"], r["ETag"], r["LastModified"],
                           dict(r.get("Metadata") or {}))
 
+    async def get_small_many(
+            self, items: Sequence[tuple[str, int]],
+            each: Callable[[str, tuple[ObjectInfo, bytes] | None | Exception], None]) -> None:
+        """One engine batch of `head_by_get`s (a directory whose small files are being
+        read lands here). Without the engine, `head_by_get` per key."""
+        fast = self.fast
+        if fast is None:
+            await get_small_each(self, items, each)
+            return
+        items = list(items)
+        self.stats.requests["get"] += len(items)
+        t0 = time.perf_counter()
+        seconds = S3_SECONDS.labels("get")
+
+        def answered(i: int, r: tuple[bytes, dict[str, Any]] | BaseException) -> None:
+            key, length = items[i]
+            seconds.observe(time.perf_counter() - t0)
+            if not isinstance(r, BaseException):
+                body, d = r
+                want = min(length, d["ContentLength"])
+                if len(body) >= want:
+                    self.stats.bytes_in += want
+                    each(key, (self._info(key, d["ContentLength"], d["ETag"],
+                                          d["LastModified"], dict(d.get("Metadata") or {})),
+                               body[:want]))
+                    return
+                r = ConnectionError(f"{len(body)} of {want} bytes")
+            self._batch_failure("get", key, r, each)
+
+        await fast.get_first_many([(self._full(k), n) for k, n in items], answered)
+
+    def _batch_failure(self, op: str, key: str, e: BaseException,
+                       each: Callable[[str, Any], None]) -> None:
+        """A failed answer of a batch, as `head_many` hands it over: None for a missing
+        object, else a StoreUnavailable naming the cause (the caller asks again if it
+        must know)."""
+        if isinstance(e, bex.ClientError) and (_status(e) == 404 or _code(e) in (
+                "NoSuchKey", "NotFound", "404")):
+            each(key, None)
+            return
+        self.stats.errors[op] += 1
+        each(key, StoreUnavailable(f"S3 {op} of {key!r}: {e}"))
+
     async def head_many(self, keys: Sequence[str],
                         each: Callable[[str, ObjectInfo | None | Exception], None]) -> None:
         """One engine batch (the sweep prefetch of a cold `ls -l` lands here): no task,
@@ -281,12 +324,7 @@ class S3Store:
             key = keys[i]
             seconds.observe(time.perf_counter() - t0)
             if isinstance(r, BaseException):
-                if isinstance(r, bex.ClientError) and (_status(r) == 404 or _code(r) in (
-                        "NoSuchKey", "NotFound", "404")):
-                    each(key, None)
-                else:
-                    self.stats.errors["head"] += 1
-                    each(key, StoreUnavailable(f"S3 head of {key!r}: {r}"))
+                self._batch_failure("head", key, r, each)
                 return
             each(key, self._info(key, r["ContentLength"], r["ETag"], r["LastModified"],
                                  dict(r.get("Metadata") or {})))

@@ -145,17 +145,30 @@ class SignedHttp:
         await self.engine.fetch_many([self._engine_request("HEAD", k, {}, 0) for k in keys],
                                      answered)
 
+    async def get_first_many(
+            self, items: list[tuple[str, int]],
+            each: Callable[[int, tuple[bytes, dict[str, Any]] | BaseException], None]
+            ) -> None:
+        """`get_first_async` of every (key, length) at once; `each(index, answer)` as
+        answers come: what it returns, or what it would raise."""
+        def answered(i: int, reply: Reply | BaseException) -> None:
+            answer: tuple[bytes, dict[str, Any]] | BaseException = reply
+            if isinstance(reply, Reply):
+                try:
+                    answer = _first_answer(reply)
+                except bex.ClientError as e:
+                    answer = e
+            each(i, answer)
+
+        await self.engine.fetch_many(
+            [self._engine_request("GET", k, {"Range": f"bytes=0-{n - 1}"}, n)
+             for k, n in items], answered)
+
     async def get_first_async(self, key: str, length: int) -> tuple[bytes, dict[str, Any]]:
         """The first `length` bytes (fewer if the
         object is smaller; all of them) and what a HEAD would have said."""
-        r = await self._fetch("GET", key, {"Range": f"bytes=0-{length - 1}"}, length)
-        if r.status == 206:
-            total = int(r.headers.get("content-range", "/0").rpartition("/")[2])
-        elif r.status == 200:
-            total = int(r.headers.get("content-length", 0))
-        else:
-            raise _client_error(r.status, r.reason, r.body, "GetObject")
-        return r.body, _described(_Lower(r.headers), total)
+        return _first_answer(
+            await self._fetch("GET", key, {"Range": f"bytes=0-{length - 1}"}, length))
 
     def head(self, key: str) -> dict[str, Any]:
         """head_object's answer: ContentLength, ETag, LastModified, Metadata."""
@@ -315,6 +328,16 @@ def _head_answer(r: Reply) -> dict[str, Any]:
     if r.status != 200:
         raise _client_error(r.status, r.reason, b"", "HeadObject")
     return _described(_Lower(r.headers), int(r.headers.get("content-length", 0)))
+
+
+def _first_answer(r: Reply) -> tuple[bytes, dict[str, Any]]:
+    if r.status == 206:
+        total = int(r.headers.get("content-range", "/0").rpartition("/")[2])
+    elif r.status == 200:
+        total = int(r.headers.get("content-length", 0))
+    else:
+        raise _client_error(r.status, r.reason, r.body, "GetObject")
+    return r.body, _described(_Lower(r.headers), total)
 
 
 def _client_error(status: int, reason: str, body: bytes, op: str) -> bex.ClientError:

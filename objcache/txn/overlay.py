@@ -52,6 +52,18 @@ class OverlayStore:
         if ask:
             await self.store.head_many(ask, each)
 
+    async def get_small_many(
+            self, items: Sequence[tuple[str, int]],
+            each: Callable[[str, tuple[ObjectInfo, bytes] | None | Exception], None]) -> None:
+        ask = []
+        for key, length in items:
+            if self._tombstoned(key):
+                each(key, None)
+            else:
+                ask.append((key, length))
+        if ask:
+            await self.store.get_small_many(ask, each)
+
     async def head_by_get(self, key: str, length: int, fd: int
                           ) -> tuple[ObjectInfo, int] | None:
         if self._tombstoned(key):

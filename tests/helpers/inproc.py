@@ -20,7 +20,7 @@ from objcache.core.filesystem import Filesystem
 from objcache.core.inode import ROOT_INO, Attr
 from objcache.daemon import Parts, build
 from objcache.errors import NotFound, ObjcacheError, StoreRefused, StoreUnavailable
-from objcache.store import head_each
+from objcache.store import get_small_each, head_each
 from tests.helpers.cluster import free_port
 from tests.helpers.memstore import MemoryStore
 
@@ -109,6 +109,10 @@ class FaultyStore:
 
     async def head_many(self, keys: Sequence[str], each: Callable[[str, Any], None]) -> None:
         await head_each(self, keys, each)  # each HEAD meets the injected faults
+
+    async def get_small_many(self, items: Sequence[tuple[str, int]],
+                             each: Callable[[str, Any], None]) -> None:
+        await get_small_each(self, items, each)  # each GET meets the injected faults
 
     def list_dir(self, prefix: str) -> AsyncIterator[Any]:
         return self._list_dir(prefix)

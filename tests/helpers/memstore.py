@@ -12,7 +12,7 @@ import trio
 import trio.lowlevel
 
 from objcache.errors import StaleObject
-from objcache.store import ListPage, ObjectInfo, head_each
+from objcache.store import ListPage, ObjectInfo, get_small_each, head_each
 
 
 class MemoryStore:
@@ -35,6 +35,11 @@ class MemoryStore:
     async def head_many(self, keys: Sequence[str],
                         each: Callable[[str, ObjectInfo | None | Exception], None]) -> None:
         await head_each(self, keys, each)
+
+    async def get_small_many(self, items: Sequence[tuple[str, int]],
+                             each: Callable[[str, tuple[ObjectInfo, bytes] | None | Exception],
+                                            None]) -> None:
+        await get_small_each(self, items, each)
 
     async def head(self, key: str) -> ObjectInfo | None:
         self.calls["head"] += 1
