@@ -91,6 +91,7 @@ class CurlEngine:
         self._ca = ca_file
         self._lock = threading.Lock()  # guards starting the thread and `_closed`
         self._thread: threading.Thread | None = None
+        self._running = False  # whether a thread serves the queue (under `_lock`)
         self._closed = False
         self._jobs: collections.deque[_Job] = collections.deque()
         self._cancels: collections.deque[_Job] = collections.deque()
@@ -163,11 +164,14 @@ class CurlEngine:
         with self._lock:
             if self._closed:
                 return False
-            if self._thread is None:
+            if not self._running:
+                # The first request, or the thread ended on an unexpected error (logged):
+                # a new one, rather than requests that nobody would ever answer.
+                self._running = True
                 self._thread = threading.Thread(target=self._run, name="objcache-curl",
                                                 daemon=True)
                 self._thread.start()
-            # Under the lock: the thread drains the queues after it sees `_closed`.
+            # Under the lock: the thread fails what is queued when it stops.
             queue.extend(jobs)
         if not self._woken:
             self._woken = True
@@ -183,8 +187,8 @@ class CurlEngine:
             if self._closed:
                 return
             self._closed = True
-            thread = self._thread
-        if thread is None:
+            thread = self._thread if self._running else None
+        if thread is None:  # no thread will close the wake-up pipe
             os.close(self._wake_r)
             os.close(self._wake_w)
             return
@@ -236,8 +240,8 @@ class CurlEngine:
                 self._take()
                 self._reap()
         except BaseException:
-            log.exception("the HTTP engine failed")
-            raise
+            log.exception("the HTTP engine failed; its requests fail and the next one "
+                          "starts it again")
         finally:
             self._shut()
 
@@ -342,25 +346,33 @@ class CurlEngine:
         self._deadline = None if ms < 0 else time.monotonic() + ms / 1000
 
     def _shut(self) -> None:
-        closed = ConnectionError("the HTTP engine is closed")
-        with self._lock:
-            left = [j for j in self._active.values() if not j.cancelled] + list(self._jobs)
-            self._jobs.clear()
+        running = [j for j in self._active.values() if not j.cancelled]
         for c in list(self._active):
             self._multi.remove_handle(c)
         self._active.clear()
-        finished: dict[_Sink, list[_Job]] = {}
-        for job in left:
-            job.error = closed
-            finished.setdefault(job.sink, []).append(job)
-        for sink, jobs in finished.items():
-            sink(jobs)
         for c in self._free:
             c.close()
         self._multi.close()
         self._sel.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        # Last, under the lock: from here on a request starts a new thread (unless closed),
+        # and what was queued before is failed here.
+        with self._lock:
+            self._running = False
+            final = self._closed
+            left = running + list(self._jobs)
+            self._jobs.clear()
+            self._cancels.clear()
+        error = ConnectionError("the HTTP engine is closed" if final
+                                else "the HTTP engine failed")
+        finished: dict[_Sink, list[_Job]] = {}
+        for job in left:
+            job.error = error
+            finished.setdefault(job.sink, []).append(job)
+        for sink, jobs in finished.items():
+            sink(jobs)
+        if final:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
 
 def _ignore(_data: bytes) -> None:

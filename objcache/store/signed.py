@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import botocore.exceptions as bex
@@ -39,6 +39,7 @@ from objcache.store.curl import CurlEngine, Reply, Request
 _META = "x-amz-meta-"
 _PIECE = 1 << 20  # bytes per readinto (and per progress report) of a GET body
 Progress = Callable[[int], None]
+A = TypeVar("A")
 # Virtual-hosted style needs a DNS label; with dots TLS host names break.
 _DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")
@@ -133,17 +134,8 @@ class SignedHttp:
                         ) -> None:
         """HEAD every key at once; `each(index, answer)` as answers come: what `head`
         returns, or what it would raise."""
-        def answered(i: int, reply: Reply | BaseException) -> None:
-            answer: dict[str, Any] | BaseException = reply
-            if isinstance(reply, Reply):
-                try:
-                    answer = _head_answer(reply)
-                except bex.ClientError as e:
-                    answer = e
-            each(i, answer)
-
-        await self.engine.fetch_many([self._engine_request("HEAD", k, {}, 0) for k in keys],
-                                     answered)
+        await self._fetch_many([self._engine_request("HEAD", k, {}, 0) for k in keys],
+                               _head_answer, each)
 
     async def get_first_many(
             self, items: list[tuple[str, int]],
@@ -151,18 +143,23 @@ class SignedHttp:
             ) -> None:
         """`get_first_async` of every (key, length) at once; `each(index, answer)` as
         answers come: what it returns, or what it would raise."""
+        await self._fetch_many(
+            [self._engine_request("GET", k, {"Range": f"bytes=0-{n - 1}"}, n)
+             for k, n in items], _first_answer, each)
+
+    async def _fetch_many(self, reqs: list[Request], parse: Callable[[Reply], A],
+                          each: Callable[[int, A | BaseException], None]) -> None:
+        """One engine batch; each reply parsed, or the error its parse raises."""
         def answered(i: int, reply: Reply | BaseException) -> None:
-            answer: tuple[bytes, dict[str, Any]] | BaseException = reply
+            answer: A | BaseException = reply
             if isinstance(reply, Reply):
                 try:
-                    answer = _first_answer(reply)
+                    answer = parse(reply)
                 except bex.ClientError as e:
                     answer = e
             each(i, answer)
 
-        await self.engine.fetch_many(
-            [self._engine_request("GET", k, {"Range": f"bytes=0-{n - 1}"}, n)
-             for k, n in items], answered)
+        await self.engine.fetch_many(reqs, answered)
 
     async def get_first_async(self, key: str, length: int) -> tuple[bytes, dict[str, Any]]:
         """The first `length` bytes (fewer if the

@@ -155,3 +155,29 @@ async def test_engine_transport_failures_are_retried_then_reported(creds) -> Non
     assert all(isinstance(a, StoreUnavailable) for a in got.values()), got
     assert store.stats.retries["head"] >= 1
     store.close()
+
+
+async def test_an_engine_thread_that_fails_is_replaced(seaweed, bucket, s3, creds,
+                                                       monkeypatch, caplog) -> None:  # type: ignore
+    from objcache.store.curl import CurlEngine
+    fast, _ = _stores(seaweed, bucket)
+    s3.put_object(Bucket=bucket, Key="pre/k", Body=b"x")
+    take = CurlEngine._take
+    broken = [True]
+
+    def take_once_broken(self: CurlEngine) -> None:
+        if broken and self._jobs:
+            broken.clear()
+            raise RuntimeError("injected: a bug in the engine thread")
+        take(self)
+
+    monkeypatch.setattr(CurlEngine, "_take", take_once_broken)
+    got: dict[str, object] = {}
+    with trio.fail_after(10):
+        await fast.head_many(["k"], got.__setitem__)
+    assert isinstance(got["k"], StoreError) and "engine failed" in str(got["k"])
+    assert "the HTTP engine failed" in caplog.text
+    with trio.fail_after(10):
+        info = await fast.head("k")  # a new thread answers
+    assert info is not None and info.size == 1
+    fast.close()
