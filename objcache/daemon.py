@@ -365,6 +365,16 @@ class Daemon:
 
     def run(self, ready: Any) -> None:
         clean = False
+
+        def finishing(signum: int, _frame: object) -> None:
+            log.info("got %s while finishing: the uploads and the unmount go on",
+                     signal.Signals(signum).name)
+
+        # Outside the signal receiver's life (before it opens, once it has answered a
+        # first signal, after the event loop): a TERM or INT must not end the process
+        # mid-upload or before close() writes the journal and metadata out.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, finishing)
         try:
             trio.run(self._main, ready)
             clean = True

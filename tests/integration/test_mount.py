@@ -7,6 +7,7 @@ import errno
 import json
 import mmap
 import os
+import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -250,6 +251,31 @@ def test_mmap_reads_each_byte_from_s3_once(s3, bucket, mount):  # type: ignore
     objcache("flush", str(m.mnt))
     assert "open.txt" not in s3_keys(s3, bucket)
     assert m.status()["dirty"]["files"] == 0
+
+
+def test_signals_during_the_last_uploads_do_not_end_the_daemon(  # type: ignore
+        s3, bucket, proxy, mounts, tmp_path):
+    """A lazy unmount, then TERM and INT while the last upload is still stalled (what
+    Mount.stop and an impatient operator do): the daemon finishes the upload and its
+    close, and exits 0. Before, the first signal closed the signal receiver and the second
+    got the default handler: killed mid-upload."""
+    m = Mount(proxy.endpoint, bucket, tmp_path / "mnt", tmp_path / "cache",
+              "--writeback-delay", "3600")
+    mounts.append(m)
+    m.start()
+    assert m.proc is not None
+    (m.mnt / "last.bin").write_bytes(b"the last words")
+    proxy.stall_next("PUT", 2, 3.0)
+    subprocess.run(["fusermount3", "-uz", str(m.mnt)], check=True)
+    time.sleep(0.5)  # the daemon is uploading, the PUT held at the proxy
+    m.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    m.proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    m.proc.send_signal(signal.SIGTERM)
+    assert m.wait_exit(60) == 0
+    assert s3_body(s3, bucket, "last.bin") == b"the last words"
+    assert "unmounted" in m.log_path.read_text()
 
 
 def test_transient_s3_errors_are_retried(s3, bucket, proxy, mounts, tmp_path):  # type: ignore
