@@ -111,7 +111,7 @@ class SignedHttp:
             raise ConnectionError(f"S3 {method} failed: {e}") from None
 
     def _raise(self, r: Any, op: str) -> None:
-        body = b"" if op == "HeadObject" else r.read()  # error bodies are small
+        body = r.read()  # error bodies are small
         r.release_conn()
         raise _client_error(r.status, r.reason or "", body, op)
 
@@ -166,14 +166,6 @@ class SignedHttp:
         object is smaller; all of them) and what a HEAD would have said."""
         return _first_answer(
             await self._fetch("GET", key, {"Range": f"bytes=0-{length - 1}"}, length))
-
-    def head(self, key: str) -> dict[str, Any]:
-        """head_object's answer: ContentLength, ETag, LastModified, Metadata."""
-        r = self._request("HEAD", key, {})
-        if r.status != 200:
-            self._raise(r, "HeadObject")
-        r.release_conn()
-        return _described(r.headers, int(r.headers.get("Content-Length", 0)))
 
     def get(self, key: str, start: int, length: int, etag: str | None) -> Any:
         """An open response carrying exactly bytes start..start+length-1. Read it, then
