@@ -96,6 +96,11 @@ def _status(e: bex.ClientError) -> int:
     return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 
 
+def _missing(e: bex.ClientError) -> bool:
+    """S3's answer for no such key (or bucket: the caller tells them apart)."""
+    return _code(e) in ("NoSuchKey", "NotFound", "404") or _status(e) == 404
+
+
 def _is_transient(e: BaseException) -> bool:
     if isinstance(e, bex.ClientError):
         return _code(e) in _TRANSIENT_CODES or _status(e) >= 500 or _status(e) == 429
@@ -182,7 +187,7 @@ class S3Store:
                 return await _timed(op, attempt)
             except bex.ClientError as e:
                 code, status = _code(e), _status(e)
-                if code in ("NoSuchKey", "NotFound", "404") or status == 404:
+                if _missing(e):
                     if code == "NoSuchBucket":
                         self.stats.errors[op] += 1
                         raise StoreError(f"bucket {self.bucket!r} does not exist") from None
@@ -300,8 +305,7 @@ class S3Store:
         """A failed answer of a batch, as `head_many` hands it over: None for a missing
         object, else a StoreUnavailable naming the cause (the caller asks again if it
         must know)."""
-        if isinstance(e, bex.ClientError) and (_status(e) == 404 or _code(e) in (
-                "NoSuchKey", "NotFound", "404")):
+        if isinstance(e, bex.ClientError) and _missing(e):
             each(key, None)
             return
         self.stats.errors[op] += 1
