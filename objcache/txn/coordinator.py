@@ -40,6 +40,7 @@ BARRIER_TIMEOUT = 3.0
 DEGRADED_FOR = 5.0  # after a failed barrier, serve from what we have applied this long
 _EMPTY = ClusterState()
 MAX_BLOB = 5 << 40
+HOLDER_RETRY = 0.2  # seconds between rounds over a blob's holders while none can serve it
 
 
 def key_point(key: str) -> str:
@@ -201,16 +202,9 @@ class TxnClient:
             return b""
         if self.dirty.has(cid):
             return await self.dirty.read(cid, offset, length)
-        for node in holders:
-            if node == self.node_id or self.node.membership.addr_of(node) is None:
-                continue
-            got = await self.node.client.call(node, {"op": "dread", "cid": cid,
-                                                     "off": offset, "len": length},
-                                              max_data=length,
-                                              timeout=self.node.request_timeout)
-            if got is not None and got[1] is not None:
-                return bytes(got[1])
-        raise PeerError(f"no holder of blob {cid} ({', '.join(holders)}) could serve it")
+        got = await self._from_a_holder(cid, holders, {"off": offset, "len": length},
+                                        length)
+        return bytes(got)
 
     async def read_blob_into(self, cid: str, holders: list[str], offset: int,
                              buf: memoryview) -> None:
@@ -223,16 +217,30 @@ class TxnClient:
                 raise NotFound(f"blob {cid} has {offset + len(data)} bytes here")
             buf[:] = data
             return
-        for node in holders:
-            if node == self.node_id or self.node.membership.addr_of(node) is None:
-                continue
-            got = await self.node.client.call(node, {"op": "dread", "cid": cid,
-                                                     "off": offset, "len": len(buf)},
-                                              max_data=len(buf), into=buf,
-                                              timeout=self.node.request_timeout)
-            if got is not None and got[1] is not None:
-                return
-        raise PeerError(f"no holder of blob {cid} ({', '.join(holders)}) could serve it")
+        await self._from_a_holder(cid, holders, {"off": offset, "len": len(buf)}, len(buf),
+                                  into=buf)
+
+    async def _from_a_holder(self, cid: str, holders: list[str], ask: dict[str, Any],
+                             length: int, into: memoryview | None = None
+                             ) -> bytes | memoryview:
+        """A `dread` answered by the first holder that can. None can yet (a restarted
+        node has not heard of the others, a holder is being routed around): asked again
+        until --peer-timeout has passed since the first try, then PeerError."""
+        ms = self.node.membership
+        deadline = time.monotonic() + ms.timeout
+        while True:
+            for node in holders:
+                if node == self.node_id or ms.addr_of(node) is None:
+                    continue
+                got = await self.node.client.call(node, {"op": "dread", "cid": cid, **ask},
+                                                  max_data=length, into=into,
+                                                  timeout=self.node.request_timeout)
+                if got is not None and got[1] is not None:
+                    return got[1]
+            if time.monotonic() >= deadline:
+                raise PeerError(f"no holder of blob {cid} ({', '.join(holders)}) could "
+                                f"serve it within {ms.timeout:g}s")
+            await trio.sleep(min(HOLDER_RETRY, max(0.0, deadline - time.monotonic())))
 
     async def pull(self, cid: str, size: int, holders: list[str], stage: str | None = None,
                    staged: int = 0) -> None:

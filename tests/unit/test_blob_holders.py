@@ -1,0 +1,80 @@
+"""Reading a blob from its holders: a holder this node has not heard of yet (a restarted
+node, before membership learns the others' addresses) is waited for, up to --peer-timeout,
+instead of failing the read at once (the cause of test_leader_killed_during_rename_storm's
+restart EIO)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import trio
+
+from objcache.errors import PeerError
+from objcache.txn.coordinator import TxnClient
+
+
+class Membership:
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.addrs: dict[str, str] = {}
+
+    def addr_of(self, node: str) -> str | None:
+        return self.addrs.get(node)
+
+
+class Client:
+    def __init__(self, ms: Membership) -> None:
+        self.ms = ms
+        self.asked: list[str] = []
+
+    async def call(self, node: str, msg: dict[str, Any], max_data: int, timeout: float,
+                   into: memoryview | None = None) -> tuple[dict[str, Any], bytes] | None:
+        self.asked.append(node)
+        if self.ms.addr_of(node) is None:
+            return None
+        data = bytes([msg["off"] % 256]) * msg["len"]
+        if into is not None:
+            into[:] = data
+        return {"data": len(data)}, data
+
+
+class Node:
+    def __init__(self, timeout: float) -> None:
+        self.node_id = "a"
+        self.membership = Membership(timeout)
+        self.client = Client(self.membership)
+        self.request_timeout = 5.0
+
+
+class NoBlobs:
+    def has(self, cid: str) -> bool:
+        return False
+
+
+async def test_a_holder_learned_of_after_the_read_started_serves_it() -> None:
+    node = Node(timeout=3.0)
+    txn = TxnClient(node, NoBlobs(), 2, 10.0)  # type: ignore[arg-type]
+
+    async def learn() -> None:
+        await trio.sleep(0.3)
+        node.membership.addrs["b"] = "127.0.0.1:1"
+
+    t0 = time.monotonic()
+    async with trio.open_nursery() as n:
+        n.start_soon(learn)
+        assert await txn.read_blob("c1", ["a", "b"], 7, 4) == b"\x07" * 4
+        buf = bytearray(3)
+        await txn.read_blob_into("c1", ["a", "b"], 9, memoryview(buf))
+        assert bytes(buf) == b"\x09" * 3
+    assert time.monotonic() - t0 >= 0.3
+
+
+async def test_no_holder_within_the_peer_timeout_is_an_error() -> None:
+    node = Node(timeout=0.5)
+    txn = TxnClient(node, NoBlobs(), 2, 10.0)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="within 0.5s"):
+        await txn.read_blob("c1", ["a", "b"], 0, 4)
+    assert 0.5 <= time.monotonic() - t0 < 2.0
