@@ -16,7 +16,9 @@ owner during a membership change (and a flush or a crowded cache, which upload w
 can) may both get to a key: right before the one S3 call that makes a version visible (a
 PUT, a multipart upload's completion, a copy, a delete) a node claims the key for that
 version in the log (`ns.claim`, objcache.txn.namespace), so only one node writes a key at a
-time and a slow write of an older version can never land over a newer one.
+time and a slow write of an older version can never land over a newer one. A blob of more
+than one part is claimed before its bytes move too, so the other node does not pull and
+upload it in vain.
 An entry S3 refuses for good (objcache.cache.quarantine) is quarantined after a few
 refusals (at the first when a flush or drain asks): its bytes go to this node's
 lost+found/, and a commit drops the entry, so the key shows S3's version again on every
@@ -222,13 +224,28 @@ class ClusterFlusher:
                 await self._claim(key, e)
                 etag = await self.store.put_bytes(key, e.target, meta)
             elif e.cid:
+                # Claimed before the bytes move as well: two nodes that both want the key
+                # (its owner, and a node whose flush made it urgent) would otherwise both
+                # pull and upload it, and the loser's blob is dropped under it once the
+                # winner's clean lands. The claim before the completion still decides.
+                # (Not for a file of one part: one more log entry would cost more than
+                # a second small PUT.)
+                if e.size > self.chunk_size:
+                    await self._claim(key, e)
                 if not self.dirty.has(e.cid):
                     await self.txn.pull(e.cid, e.size, list(e.holders))
                     await self.txn.submit({"op": "ns.holders", "key": key, "cid": e.cid,
                                            "add": [self.txn.node_id]})
-                etag = await self.store.put_file(
-                    key, str(self.dirty.path(e.cid)), e.size, meta, self.chunk_size,
-                    fence=lambda: self._claim(key, e))
+                try:
+                    etag = await self.store.put_file(
+                        key, str(self.dirty.path(e.cid)), e.size, meta, self.chunk_size,
+                        fence=lambda: self._claim(key, e))
+                except FileNotFoundError:
+                    if self._still(key, e):
+                        raise
+                    # (a claim outlived by a long upload: the other node's clean came
+                    # first, and the blob went with the entry)
+                    raise Busy("the entry changed since") from None
             elif e.base:
                 await self._claim(key, e)
                 try:
@@ -247,6 +264,13 @@ class ClusterFlusher:
             self.uploaded += 1
         else:
             log.debug("%r changed while it was written back; it stays dirty", key)
+
+    def _still(self, key: str, e: Entry) -> bool:
+        """Whether `e` is still `key`'s entry (the same version)."""
+        st = self.txn.state
+        with st.lock:
+            cur = st.ns.get(key)
+        return cur is not None and cur.ver == e.ver
 
     async def flush(self, scope: FlushScope, deadline: float | None = None) -> int:
         """Write back now and return once done: every entry in the cluster (the last node
