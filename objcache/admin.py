@@ -63,6 +63,8 @@ class ControlHandlers:
             return await self.prefetch(files, bool(req.get("pin")))
         if op in ("unpin", "evict"):
             return await self.unpin_or_evict(op, str(req["prefix"]))
+        if op == "verify":
+            return await self.verify(str(req["prefix"]))
         if op == "flush":
             # The file or directory named by inode (works through bind mounts); the
             # mount's root is everything.
@@ -149,17 +151,29 @@ class ControlHandlers:
             results.append([fetched, cached, error])
         return {"ok": True, "results": results}
 
-    async def unpin_or_evict(self, op: str, prefix: str) -> dict[str, Any]:
-        if op == "unpin":
-            total, kept = self.pins.unpin(prefix), 0
-        else:
-            total, kept = self.pins.evict(prefix)
-        unreachable = []
+    async def _everywhere(self, op: str, prefix: str, here: dict[str, int]) -> dict[str, Any]:
+        """`here` (this node's counts) summed with every other node's reply to op; the
+        nodes that did not answer are listed as "unreachable"."""
+        totals, unreachable = dict(here), []
         for node, reply in (await self.cluster.broadcast({"op": op, "prefix": prefix})
                             ).items():
             if reply is None:
                 unreachable.append(node)
                 continue
-            total += int(reply.get("bytes", 0))
-            kept += int(reply.get("pinned_kept", 0))
-        return {"ok": True, "bytes": total, "pinned_kept": kept, "unreachable": unreachable}
+            for k in totals:
+                totals[k] += int(reply.get(k, 0))
+        return {"ok": True, **totals, "unreachable": unreachable}
+
+    async def verify(self, prefix: str) -> dict[str, Any]:
+        """Check every cached chunk under `prefix` (on every node) against its sums; the
+        corrupt ones are dropped (fetched again when read; never a passthrough file)."""
+        checked, nbytes, corrupt = await self.router.cache.verify(prefix)
+        return await self._everywhere("verify", prefix,
+                                      {"chunks": checked, "bytes": nbytes, "corrupt": corrupt})
+
+    async def unpin_or_evict(self, op: str, prefix: str) -> dict[str, Any]:
+        if op == "unpin":
+            total, kept = self.pins.unpin(prefix), 0
+        else:
+            total, kept = self.pins.evict(prefix)
+        return await self._everywhere(op, prefix, {"bytes": total, "pinned_kept": kept})

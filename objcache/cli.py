@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from objcache import __version__, control
@@ -65,7 +66,8 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--log-file", {"metavar": "FILE", "help": "log here (default: stderr in the "
                     "foreground, CACHE_DIR/objcache.log otherwise)"}),
 ]
-_MOUNT_SWITCHES = ["--foreground", "--read-only", "--allow-other", "--recover-mount"]
+_MOUNT_SWITCHES = ["--foreground", "--read-only", "--allow-other", "--recover-mount",
+                   "--no-passthrough"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -110,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("paths", nargs="+", metavar="PATH")
     ev = sub.add_parser("evict", help="drop clean cached data under PATH")
     ev.add_argument("paths", nargs="+", metavar="PATH")
+    vf = sub.add_parser("verify", help="check cached data under PATH against its checksums "
+                        "(corrupt chunks are dropped and fetched again)")
+    vf.add_argument("paths", nargs="+", metavar="PATH")
 
     bn = sub.add_parser("bench", help="benchmark a mounted directory")
     bn.add_argument("path", metavar="PATH")
@@ -272,7 +277,9 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
     return prefetch.run(args.paths, args.manifest, args.jobs, args.pin, args.json)
 
 
-def _cmd_unpin_or_evict(args: argparse.Namespace) -> int:
+def _per_path(args: argparse.Namespace, show: Callable[[str, dict[str, Any]], bool]) -> int:
+    """Run args.command on the mount's key of each path in args.paths; show(path, reply)
+    prints the outcome and says whether it failed. 1 when any path failed."""
     failed = False
     for path in args.paths:
         try:
@@ -286,14 +293,31 @@ def _cmd_unpin_or_evict(args: argparse.Namespace) -> int:
             print(f"objcache {args.command}: {e}", file=sys.stderr)
             failed = True
             continue
-        what = "unpinned" if args.command == "unpin" else "evicted"
+        failed = show(path, r) or failed
+    return 1 if failed else 0
+
+
+def _not_reached(r: dict[str, Any]) -> str:
+    return f"; not reached: {', '.join(r['unreachable'])}" if r.get("unreachable") else ""
+
+
+def _cmd_unpin_or_evict(args: argparse.Namespace) -> int:
+    what = "unpinned" if args.command == "unpin" else "evicted"
+
+    def show(path: str, r: dict[str, Any]) -> bool:
         extra = (f", {_size(r['pinned_kept'])} pinned kept (unpin first)"
                  if r.get("pinned_kept") else "")
-        if r.get("unreachable"):
-            extra += f"; not reached: {', '.join(r['unreachable'])}"
-            failed = True
-        print(f"{path}: {what} {_size(r['bytes'])}{extra}")
-    return 1 if failed else 0
+        print(f"{path}: {what} {_size(r['bytes'])}{extra}{_not_reached(r)}")
+        return bool(r.get("unreachable"))
+    return _per_path(args, show)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    def show(path: str, r: dict[str, Any]) -> bool:
+        print(f"{path}: {r['chunks']} chunks ({_size(r['bytes'])}) checked, "
+              f"{r['corrupt']} corrupt (dropped){_not_reached(r)}")
+        return bool(r["corrupt"] or r.get("unreachable"))
+    return _per_path(args, show)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -338,6 +362,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"dirty:  {d['files']} files, {_size(d['bytes'])}, oldest {age}")
     print(f"s3:     {reqs}; errors {sum(s3['errors'].values())}, "
           f"retries {sum(s3['retries'].values())}")
+    fu = st.get("fuse")
+    if fu:
+        print(f"fuse:   {fu['mode']}; opens {fu['passthrough_opens']} passthrough, "
+              f"{fu['daemon_opens']} by the daemon; {fu['requests']} requests")
     cl = st.get("cluster")
     if cl:
         print(f"cluster: node {cl['node_id']} on {cl['listen']}, {len(cl['members'])} "
@@ -384,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                 "flush": _cmd_flush,
                 "status": _cmd_status, "prefetch": _cmd_prefetch,
                 "unpin": _cmd_unpin_or_evict, "evict": _cmd_unpin_or_evict,
+                "verify": _cmd_verify,
                 "csi-node": _cmd_csi_node, "bench": _cmd_bench,
                 }[args.command](args)
     except UserError as e:

@@ -87,6 +87,9 @@ class MountConfig:
     raft_port: int | None = None  # default: the --listen port + 1
     metrics_addr: str | None = None  # HOST:PORT for Prometheus /metrics
     recover_mount: bool = False  # detach a dead mount left at the mountpoint by a crash
+    # Serve opens whose bytes are all on this node through the kernel (FUSE passthrough):
+    # reads, writes and mmap of them never reach the daemon. Off: every byte does.
+    no_passthrough: bool = False
     # Transactions (issue 4): copies of a closed, not yet uploaded file, and how long a
     # namespace change may wait for a Raft quorum before the call fails with EIO.
     replicas: int = 2
@@ -159,7 +162,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(MountConfig)}
 _SIZE_KEYS = {"cache_size", "chunk_size", "readahead", "near_cache_size"}
 _DURATION_KEYS = {"writeback_delay", "metadata_ttl", "s3_retry_seconds", "peer_timeout",
                   "txn_timeout", "catch_up_seconds"}
-_BOOL_KEYS = {"foreground", "read_only", "allow_other", "recover_mount"}
+_BOOL_KEYS = {"foreground", "read_only", "allow_other", "recover_mount", "no_passthrough"}
 _INT_KEYS = {"s3_concurrency", "replicas"}
 
 

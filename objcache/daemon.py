@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyfuse3
 import trio
 
 from objcache.admin import ControlHandlers
@@ -47,14 +46,17 @@ from objcache.cluster.peers import PeerServer, Routes
 from objcache.config import MountConfig, startup_warnings
 from objcache.control import ControlChannel
 from objcache.core.filesystem import Filesystem
+from objcache.core.passthrough import Passthrough
 from objcache.errors import ObjcacheError, StoreRefused, UserError, unwrap
 from objcache.fs import watchdog
+from objcache.fs.kernel import FuseSession
+from objcache.fs.mounting import mount_device
 from objcache.fs.operations import (
+    FuseReport,
     KernelNotifier,
     Operations,
-    mount_device,
+    SessionBacking,
     mount_options,
-    set_read_ahead,
 )
 from objcache.status import ClusterStatus, MemberStatus, NoCluster, NodeRow, NodeStatus
 from objcache.store import ObjectStore
@@ -78,7 +80,6 @@ def setup_logging(level: str, log_file: str | None) -> None:
     # botocore at DEBUG prints request headers (signatures, tokens): never let it.
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    logging.getLogger("pyfuse3").setLevel(logging.INFO)
 
 
 def is_mountpoint_busy(path: str) -> bool:
@@ -175,6 +176,7 @@ class Parts:
     backend: Backend
     own_meta: ObjectMeta
     meta: ObjectMeta | SharedObjectMeta
+    session: FuseSession
     notifier: KernelNotifier
     fs: Filesystem
     status: NodeStatus
@@ -220,10 +222,14 @@ def build(cfg: MountConfig, store: ObjectStore, path: Path, mountpoint: str,
     (with cfg.listen) a cluster member. `leave` is what `umount`/`drain` requests do once
     answered."""
     db = StateDB(path / "state.db")
+    session = FuseSession(mountpoint, mount_options(cfg.allow_other),
+                          passthrough=not cfg.no_passthrough)
+    passthrough = Passthrough(SessionBacking(session))
     # Download buffers: the readahead window, the chunk being read, one spare.
     cache = ChunkCache(db, path, cfg.cache_size, cfg.chunk_size, store,
                        near_capacity=cfg.near_cache_size or 0,
-                       buffers=max(1, cfg.readahead // cfg.chunk_size) + 2)
+                       buffers=max(1, cfg.readahead // cfg.chunk_size) + 2,
+                       file_gone=passthrough.forget)
     node: ClusterNode | None = None
     if cfg.listen:
         key = load_secret(cfg.cluster_secret_file)
@@ -251,8 +257,8 @@ def build(cfg: MountConfig, store: ObjectStore, path: Path, mountpoint: str,
     meta: ObjectMeta | SharedObjectMeta = own_meta
     if node is not None:
         meta = SharedObjectMeta(own_meta, node.membership, node.client, cfg.peer_timeout)
-    notifier = KernelNotifier()
-    fs = Filesystem(cfg, backend, router, local, notifier, meta)
+    notifier = KernelNotifier(session)
+    fs = Filesystem(cfg, backend, router, local, notifier, meta, passthrough)
     rows = NodeRow(store, cache, backend)
     cluster: ClusterStatus = NoCluster()
     member = None
@@ -262,10 +268,10 @@ def build(cfg: MountConfig, store: ObjectStore, path: Path, mountpoint: str,
             **meta.routes(), "stats": rows.serve}))
         member = Member(node, sock, server)
         cluster = MemberStatus(node, server)
-    status = NodeStatus(cfg, mountpoint, str(path), rows, cluster)
+    status = NodeStatus(cfg, mountpoint, str(path), rows, cluster, FuseReport(session, fs))
     control = ControlChannel(ControlHandlers(fs, store, router, pins, status, cluster, leave))
     return Parts(cfg, store, db, cache, pins, router, local, backend, own_meta, meta,
-                 notifier, fs, status, control, member)
+                 session, notifier, fs, status, control, member)
 
 
 def _discard_unclosed(local: LocalFiles) -> None:
@@ -316,7 +322,7 @@ class Daemon:
 
     async def _terminate_soon(self) -> None:
         await trio.sleep(0.05)
-        pyfuse3.terminate()
+        self.parts.session.terminate()
 
     # -- running --------------------------------------------------------------------------
 
@@ -332,31 +338,24 @@ class Daemon:
                 except ObjcacheError as e:
                     log.error("could not upload every dirty file before exit (they stay in "
                               "the cache dir and upload on the next mount): %s", e)
-                pyfuse3.terminate()
+                self.parts.session.terminate()
                 return
-
-    async def _after_init(self) -> None:
-        # The kernel resets the readahead window when FUSE's INIT completes, so raise it
-        # only after a first request (a stat in a thread, answered by the loop) got through.
-        await trio.to_thread.run_sync(os.stat, self.mountpoint)
-        set_read_ahead(self.mountpoint)
 
     async def _main(self, ready: Any) -> None:
         parts = self.parts
         async with trio.open_nursery() as nursery:
             await parts.start(nursery)
-            pyfuse3.init(self.ops, self.mountpoint, mount_options(self.cfg.allow_other))
+            parts.session.mount()
             self._mounted = True
             dev = mount_device(self.mountpoint)
             if dev is not None:  # (from this, the main thread: its exit arms the watchdog)
                 watchdog.start(self.mountpoint, dev)
             nursery.start_soon(self._signals)
-            nursery.start_soon(self._after_init)
             ready()
             log.info("mounted s3://%s/%s at %s (cache %s, %d bytes)", self.cfg.bucket,
                      self.cfg.prefix, self.mountpoint, self.cache_dir.path,
                      self.cfg.cache_size)
-            await pyfuse3.main()
+            await parts.session.serve(self.ops)
             # The kernel side is gone (umount, fusermount -u, or terminate above): upload
             # what is still dirty while we still can, so "unmounted" means "in S3".
             with trio.move_on_after(3600):
@@ -385,7 +384,7 @@ class Daemon:
             raise
         finally:
             if self._mounted:
-                pyfuse3.close(unmount=True)
+                self.parts.session.close(unmount_it=True)
             self.parts.close()
             self.store.close()
             log.info("unmounted %s%s", self.mountpoint, "" if clean else " after an error")

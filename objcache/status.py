@@ -43,6 +43,17 @@ class ClusterStatus(Protocol):
     async def broadcast(self, msg: dict[str, Any]) -> dict[str, dict[str, Any] | None]: ...
 
 
+class FuseStatus(Protocol):
+    """The FUSE session's part of status (objcache.fs.operations.FuseReport)."""
+
+    def fuse(self) -> dict[str, Any] | None: ...
+
+
+class NoFuse:
+    def fuse(self) -> dict[str, Any] | None:
+        return None
+
+
 class NoCluster:
     is_member = False
 
@@ -124,8 +135,9 @@ class NodeRow:
 
 class NodeStatus:
     def __init__(self, cfg: MountConfig, mountpoint: str, cache_dir: str, rows: NodeRow,
-                 cluster: ClusterStatus) -> None:
+                 cluster: ClusterStatus, fuse: FuseStatus | None = None) -> None:
         self.cfg = cfg
+        self.fuse = fuse or NoFuse()
         self.mountpoint = mountpoint
         self.cache_dir = cache_dir
         self.rows = rows
@@ -171,6 +183,7 @@ class NodeStatus:
                           "streamed_files": wb.streamed,
                           "stream_fallbacks": wb.stream_fallbacks},
             "s3": self.store.stats.as_dict(),
+            "fuse": self.fuse.fuse(),
             "cluster": await self.cluster.status(self.rows.row()),
         }
 

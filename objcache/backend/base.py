@@ -89,9 +89,12 @@ AttrsOf = Callable[[str], Attrs | None]
 class Backend(Protocol):
     """Attributes:
     store: the bucket as this backend shows it (in a cluster, without what was deleted).
+    sync_is_local: `sync` waits for nobody (one node): a caller may skip awaiting it and
+        take the changes itself.
     """
 
     store: ObjectStore
+    sync_is_local: bool
 
     async def run(self, *, task_status: Any = ...) -> None:
         """Background work (write-back); started before the mount, runs until shutdown."""

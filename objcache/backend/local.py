@@ -39,6 +39,7 @@ class LocalBackend:
     def __init__(self, cfg: MountConfig, store: ObjectStore, local: LocalFiles,
                  quarantine: Quarantine) -> None:
         self.store = store
+        self.sync_is_local = True  # one node: a catch-up waits for nobody
         self.local = local
         self.writeback = Writeback(cfg, store, local, quarantine, self._uploaded,
                                    self._quarantined)

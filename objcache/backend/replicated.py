@@ -35,7 +35,7 @@ from objcache.entries import (
     attrs_wire,
     to_wire,
 )
-from objcache.errors import Gone, StoreRefused
+from objcache.errors import Gone, ObjcacheError, StoreRefused
 from objcache.store.meta import parse_meta
 from objcache.txn.flusher import ClusterFlusher
 from objcache.txn.overlay import OverlayStore
@@ -49,6 +49,10 @@ if TYPE_CHECKING:
     from objcache.txn.dirtystore import DirtyStore
 
 log = logging.getLogger(__name__)
+
+# How often a closed working copy the kernel wrote is looked at while a shared mapping may
+# still write it (LocalFiles.BYPASS_WATCH): a change is committed like a close.
+LINGER_LOOK = 0.5
 
 DEFAULT_FILE_MODE = 0o100644
 DEFAULT_DIR_MODE = 0o040755
@@ -64,12 +68,14 @@ class ReplicatedBackend:
                  quarantine: Quarantine) -> None:
         self.raw = s3  # S3 itself, for existence checks that must see tombstoned keys
         self.store = OverlayStore(s3, txn)
+        self.sync_is_local = False  # a catch-up is a barrier through the Raft log
         self.txn = txn
         self.dirty = dirty
         self.local = local
         self.flusher = ClusterFlusher(s3, txn, dirty, cfg.chunk_size, cfg.writeback_delay,
                                       local.space, quarantine, cfg.s3_retry_seconds)
-        self.stager = Stager(txn, dirty, cfg.chunk_size)
+        self.stager = Stager(txn, dirty, local, cfg.chunk_size)
+        self._nursery: trio.Nursery | None = None
         self._applied = applied
         self._waiting: list[Applied] = []
         self.uid, self.gid = os.getuid(), os.getgid()  # owner of objects without metadata
@@ -78,6 +84,7 @@ class ReplicatedBackend:
                   ) -> None:
         task_status.started()
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self.flusher.run)
             await self._stage_while_writing(nursery)
 
@@ -246,17 +253,24 @@ class ReplicatedBackend:
     async def close(self, key: str, lf: LocalFile) -> FileEntry | None:
         """Seal the content, replicate it, commit it (close() returns after)."""
         async with lf.lock:
+            self.local.observe(lf)  # (writes the kernel made without us, if any)
             if not lf.dirty or lf.removed:
                 return None
             version = lf.version
             await self.local.materialize_all(lf)
-            staged = await self.stager.finish(lf)
             cid = self.txn.new_cid()
-            # The blob is a hard link to the working copy: it takes over the bytes' charge
-            # (a write after this copies the file, and charges the copy).
-            self.local.hand_over_charge(lf)
-            self.dirty.seal(cid, lf.path, lf.size)
-            lf.shared = True
+            if self.local.bypassed(lf):
+                # The kernel writes this file without us (passthrough): later writes, by
+                # another descriptor or a shared mapping, would change a hard-linked blob
+                # unseen. The blob is a copy, made while the staged digests are checked.
+                staged = await self._finish_and_copy(lf, cid)
+            else:
+                staged = await self.stager.finish(lf)
+                # The blob is a hard link to the working copy: it takes over the bytes'
+                # charge (a write after this copies the file, and charges the copy).
+                self.local.hand_over_charge(lf)
+                self.dirty.seal(cid, lf.path, lf.size)
+                lf.shared = True
             try:
                 holders = await self.txn.replicate(lf.key, cid, lf.size, staged)
             finally:
@@ -299,9 +313,43 @@ class ReplicatedBackend:
         """In a cluster, durable = replicated and committed (upload is the owner's)."""
         return await self.close(key, lf)
 
+    async def _finish_and_copy(self, lf: LocalFile, cid: str) -> dict[str, tuple[str, int]]:
+        staged: dict[str, tuple[str, int]] = {}
+
+        async def finish() -> None:
+            staged.update(await self.stager.finish(lf))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(finish)
+            n.start_soon(self.dirty.seal_copy, cid, lf.path, lf.size)
+        if self.local.observe(lf):
+            # Written while it was copied: the copy may mix before and after. The version
+            # moved, so the file stays dirty and its next close commits what follows.
+            log.info("%r changed while its close sealed it", lf.key)
+        return staged
+
     def released(self, lf: LocalFile) -> None:
-        if not lf.dirty and lf.opens == 0:
+        if lf.dirty or lf.opens:
+            return
+        if self.local.bypassed(lf) and self._nursery is not None:
+            # A shared mapping may write it after its last close, and the kernel tells
+            # us nothing of it: it is looked at until that watch ends.
+            self._nursery.start_soon(self._linger, lf)
+        else:
             self.local.remove(lf)  # the sealed blob keeps the content
+
+    async def _linger(self, lf: LocalFile) -> None:
+        while not lf.removed and lf.opens == 0 and self.local.bypassed(lf):
+            await trio.sleep(LINGER_LOOK)
+            self.local.observe(lf)
+            if lf.dirty and lf.opens == 0 and not lf.removed:
+                try:
+                    await self.close(lf.key, lf)  # written through a mapping: commit it
+                except ObjcacheError as e:
+                    log.error("could not commit what was written to %r through a mapping "
+                              "after its close: %s", lf.key, e)
+        if lf.opens == 0 and not lf.dirty and not lf.removed:
+            self.local.remove(lf)
 
     async def read_blob(self, e: FileEntry, offset: int, length: int) -> bytes:
         assert e.cid is not None

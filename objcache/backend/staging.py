@@ -6,8 +6,10 @@ chunk is complete the likely replicas pull the new bytes (objcache.txn.dirtystor
 close() then has them adopt the staged prefix and pull only the rest.
 
 Staged bytes are sealed (LocalFile.sealed): a write or truncate below the seal breaks it,
-and the close falls back to a whole pull. Nothing staged is visible to anyone: a stage only
-becomes a blob when the close that names it commits.
+and the close falls back to a whole pull. A file the kernel writes without us (passthrough)
+cannot show us such a write: each staged range's digest is taken before the replicas pull
+it, and the close uses the stage only if every range still matches. Nothing staged is
+visible to anyone: a stage only becomes a blob when the close that names it commits.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import trio
 from objcache.errors import ObjcacheError
 
 if TYPE_CHECKING:
-    from objcache.cache.localfiles import LocalFile
+    from objcache.cache.localfiles import LocalFile, LocalFiles
     from objcache.txn.coordinator import TxnClient
     from objcache.txn.dirtystore import DirtyStore
 
@@ -38,14 +40,18 @@ class Staging:
     targets: list[str]
     staged: dict[str, int] = field(default_factory=dict)  # node -> bytes it holds
     end: int = 0  # bytes sealed for staging
+    # (start, end, digest) of the staged ranges of a file written without us
+    digests: list[tuple[int, int, bytes]] = field(default_factory=list)
     finishing: bool = False
     wake: trio.Event = field(default_factory=trio.Event)
     ended: trio.Event = field(default_factory=trio.Event)
 
 
 class Stager:
-    def __init__(self, txn: TxnClient, dirty: DirtyStore, step: int) -> None:
+    def __init__(self, txn: TxnClient, dirty: DirtyStore, local: LocalFiles,
+                 step: int) -> None:
         self.txn = txn
+        self.local = local
         self.dirty = dirty
         self.step = step  # stage when this many more bytes are complete
         self._by_fid: dict[int, Staging] = {}
@@ -85,6 +91,9 @@ class Stager:
                 # rounds of at most ROUND chunks: close() waits for the one in flight
                 end = min(lf.size - lf.size % self.step, st.end + ROUND * self.step)
                 if end > st.end:
+                    if self.local.bypassed(lf):  # (before any byte of it is pulled)
+                        st.digests.append((st.end, end,
+                                           await self.local.digest(lf, st.end, end - st.end)))
                     lf.sealed = st.end = end  # before any byte of it is read
 
                     async def one(node: str, end: int = end) -> None:
@@ -114,6 +123,10 @@ class Stager:
         self._stop(st)
         await st.ended.wait()
         usable = not (lf.seal_broken or lf.size < st.end)
+        for start, end, digest in st.digests:
+            if not usable or await self.local.digest(lf, start, end - start) != digest:
+                usable = False  # written below the seal, through passthrough
+                break
         lf.sealed, lf.seal_broken = 0, False
         if not st.staged:
             self.dirty.unexpose(st.sid)

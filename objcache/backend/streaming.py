@@ -12,6 +12,11 @@ write-back of a closed (or fsynced) file does. So an unclosed file never appears
 a crash leaves only an incomplete multipart upload, which the restarted daemon does not
 know about (a bucket lifecycle rule, AbortIncompleteMultipartUpload, removes such parts).
 
+Writes through passthrough (objcache.core.passthrough) never reach us, so for a file
+written that way a write below the seal cannot be seen as it happens: each part's digest
+is taken before the part is read for upload, and the stream is used at the end only if
+every part's bytes still match their digest.
+
 Streamed objects carry mode, uid and gid but no mtime: metadata is fixed when the upload
 starts, before the last write, so S3's LastModified (the completion time) stands in.
 """
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from objcache.cache.localfiles import LocalFile
+from objcache.cache.localfiles import LocalFile, LocalFiles
 from objcache.entries import Attrs
 from objcache.errors import ObjcacheError, first_error
 from objcache.store import ObjectStore
@@ -46,6 +51,8 @@ class Stream:
     sent_end: int = 0  # end of the bytes handed to parts
     failed: bool = False
     finishing: bool = False
+    # part number -> (start, length, digest) of parts of a file written without us
+    digests: dict[int, tuple[int, int, bytes]] = field(default_factory=dict)
     wake: trio.Event = field(default_factory=trio.Event)
     ended: trio.Event = field(default_factory=trio.Event)
 
@@ -62,8 +69,10 @@ class Streams:
         upload share the node's cores and disk).
     """
 
-    def __init__(self, store: ObjectStore, part_base: int, parallel: int = 2) -> None:
+    def __init__(self, store: ObjectStore, local: LocalFiles, part_base: int,
+                 parallel: int = 2) -> None:
         self.store = store
+        self.local = local
         self.part_base = part_base
         self.parallel = parallel
         self._by_fid: dict[int, Stream] = {}
@@ -133,6 +142,9 @@ class Streams:
             if st.broken():
                 return
             try:
+                if self.local.bypassed(st.lf):  # (taken before the part is read to send)
+                    st.digests[number] = (start, length,
+                                          await self.local.digest(st.lf, start, length))
                 st.etags[number] = await self.store.put_part(st.key, st.upload_id, number,
                                                              st.lf.path, start, length)
                 self.streamed_parts += 1
@@ -153,6 +165,10 @@ class Streams:
         st.wake.set()
         try:
             await st.ended.wait()  # no part in flight any more
+            for start, length, digest in st.digests.values():
+                if st.broken() or await self.local.digest(lf, start, length) != digest:
+                    lf.seal_broken = True  # written below the seal, through passthrough
+                    break
             if st.broken() or not st.upload_id:
                 self.fallbacks += 1
                 log.info("%r goes up whole: %s", st.key, "a part failed" if st.failed else

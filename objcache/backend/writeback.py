@@ -51,7 +51,7 @@ class Writeback:
         self.on_uploaded = on_uploaded
         self.on_quarantined = on_quarantined  # the key no longer has a dirty file
         self.uploads = trio.CapacityLimiter(4)  # files in flight (parts run in parallel)
-        self.streams = Streams(store, local.cs)
+        self.streams = Streams(store, local, local.cs)
         self.retry_after = retry_after(cfg.writeback_delay)
         self._failed_at: dict[int, float] = {}
         self._running: set[int] = set()
@@ -100,6 +100,7 @@ class Writeback:
     async def upload(self, lf: LocalFile, raise_errors: bool) -> None:
         """Upload `lf` if it is dirty; with raise_errors, failures propagate."""
         async with lf.lock:
+            self.local.observe(lf)  # (writes the kernel made without us, if any)
             if not lf.dirty or lf.removed:
                 return
             version = lf.version
@@ -131,6 +132,7 @@ class Writeback:
                 return
             self._failed_at.pop(lf.fid, None)
             self.quarantine.forgive(key)
+            self.local.observe(lf)  # written through a mapping while it went up?
             if lf.version == version and not lf.removed and lf.key == key:
                 self.local.mark_clean(lf, etag)
                 self.uploaded_files += 1

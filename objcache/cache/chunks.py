@@ -9,6 +9,15 @@ path (O_DIRECT where the disk takes it: no page-cache copy, a fraction of the CP
 only then becomes a cache hit. Every read of a cached chunk verifies the xxh3 sums of the
 256 KiB blocks it touches, so a corrupt cache file is fetched again, never served.
 
+On disk, each object version is one sparse file (objects/XX/<id>): chunk i at offset
+i * chunk size, holes where a chunk is not cached. Once every chunk of a version is there,
+that file is the object's bytes, and the kernel can serve it without us
+(objcache.core.passthrough: `whole_file`, `hold`): reads through passthrough are not
+checked block by block, so the sums are checked when a chunk is filled (they are taken
+from the bytes that arrived) and by `verify` (objcache verify); a chunk that fails is
+dropped, and an object missing a chunk is never a backing file. A held file is never
+evicted, and a hole is never punched under a passthrough reader.
+
 Total bytes (chunks plus what the write-back store charges) stay under the capacity by
 evicting the least recently used clean data: chunks first, then whatever other clean data
 was offered for eviction (clean local files). The index lives in the state database and
@@ -18,6 +27,8 @@ objcache.cache.router's business; pinning is objcache.cache.pins'.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import logging
 import mmap
@@ -140,11 +151,58 @@ def _write_files(paths: list[str], bodies: list[bytes]) -> list[bytes]:
     return sums
 
 
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+FALLOC_FL_KEEP_SIZE = 1
+FALLOC_FL_PUNCH_HOLE = 2
+
+
+def punch_hole(path: str, offset: int, length: int) -> None:
+    """Give the disk blocks of [offset, offset+length) of `path` back (reads give zeros)."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        return
+    try:
+        if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset,
+                           length) != 0:
+            e = ctypes.get_errno()
+            log.info("could not free %d bytes of %s: %s", length, path, os.strerror(e))
+    finally:
+        os.close(fd)
+
+
+def _nothing(path: str) -> None:
+    pass
+
+
+class ObjFile:
+    """One object version's file in the cache: its chunks at their offsets.
+
+    chunks: the indexes cached; holds: passthrough opens using it as their backing file
+    (its chunks leave the LRU meanwhile); doomed: chunks dropped while it was held, whose
+    holes are punched once nobody reads it any more.
+    """
+
+    __slots__ = ("id", "key", "etag", "size", "path", "chunks", "holds", "doomed")
+
+    def __init__(self, id_: int, key: str, etag: str, size: int, path: str) -> None:
+        self.id = id_
+        self.key = key
+        self.etag = etag
+        self.size = size
+        self.path = path
+        self.chunks: set[int] = set()
+        self.holds = 0
+        self.doomed: set[int] = set()
+
+
 class Chunk:
-    __slots__ = ("id", "key", "etag", "idx", "size", "atime", "path", "pinned", "sums")
+    __slots__ = ("id", "key", "etag", "idx", "size", "atime", "obj", "offset", "pinned",
+                 "sums")
 
     def __init__(self, id_: int, key: str, etag: str, idx: int, size: int, atime: float,
-                 path: str, sums: bytes, pinned: bool = False) -> None:
+                 obj: ObjFile, offset: int, sums: bytes, pinned: bool = False) -> None:
         self.pinned = pinned
         self.id = id_
         self.key = key
@@ -152,30 +210,35 @@ class Chunk:
         self.idx = idx
         self.size = size
         self.atime = atime
-        self.path = path
+        self.obj = obj
+        self.offset = offset  # in the object's file
         self.sums = sums
+
+    @property
+    def path(self) -> str:
+        return self.obj.path
 
 
 class _Files:
-    """Cached chunk files kept open for reading, the most recently used few."""
+    """Object files kept open for reading, the most recently used few."""
 
     def __init__(self, count: int) -> None:
         self.count = count
         self._fds: OrderedDict[int, int] = OrderedDict()
 
-    def fd(self, ch: Chunk) -> int:
-        fd = self._fds.get(ch.id)
+    def fd(self, obj: ObjFile) -> int:
+        fd = self._fds.get(obj.id)
         if fd is not None:
-            self._fds.move_to_end(ch.id)
+            self._fds.move_to_end(obj.id)
             return fd
-        fd = os.open(ch.path, os.O_RDONLY)
-        self._fds[ch.id] = fd
+        fd = os.open(obj.path, os.O_RDONLY)
+        self._fds[obj.id] = fd
         while len(self._fds) > self.count:
             os.close(self._fds.popitem(last=False)[1])
         return fd
 
-    def drop(self, ch: Chunk) -> None:
-        fd = self._fds.pop(ch.id, None)
+    def drop(self, obj: ObjFile) -> None:
+        fd = self._fds.pop(obj.id, None)
         if fd is not None:
             os.close(fd)
 
@@ -228,13 +291,15 @@ class _Fetch:
     bytes in from the start of each piece), everyone waits for the end (`done`). The
     buffer goes back to the pool only once no reader is waiting on it (`readers`)."""
 
-    __slots__ = ("cid", "size", "source", "keep", "near", "buf", "view", "pieces", "got",
+    __slots__ = ("cid", "size", "obj_size", "source", "keep", "near", "buf", "view", "pieces",
+                 "got",
                  "moved", "done", "result", "error", "readers", "idle", "read_to", "used")
 
-    def __init__(self, cid: ChunkId, size: int, source: ChunkSource, keep: bool,
-                 near: bool = False) -> None:
+    def __init__(self, cid: ChunkId, size: int, obj_size: int, source: ChunkSource,
+                 keep: bool, near: bool = False) -> None:
         self.cid = cid
         self.size = size
+        self.obj_size = obj_size
         self.source = source
         self.keep = keep  # becomes a cache file when complete (if there is room)
         self.near = near  # ... in the near-cache's budget
@@ -321,13 +386,14 @@ class CacheStats:
         self.write_wait_seconds = 0.0  # ... and how long, in total
 
 
-def _write_chunk(path: str, data: memoryview, size: int) -> None:
-    """Write a complete chunk file (in a worker thread): O_DIRECT when the file system
-    takes it (from the page-aligned buffer, rounded up to whole pages, then cut to size),
-    else a plain write."""
+def _write_chunk(path: str, offset: int, data: memoryview, size: int, obj_size: int
+                 ) -> None:
+    """Write a complete chunk into its object's file at `offset` (in a worker thread):
+    O_DIRECT when the file system takes it (from the page-aligned buffer, rounded up to
+    whole pages; the file is cut back to the object's size after), else a plain write."""
     aligned = -(-size // PAGE) * PAGE
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
@@ -336,16 +402,34 @@ def _write_chunk(path: str, data: memoryview, size: int) -> None:
         try:
             done = 0
             while done < aligned:
-                done += os.pwrite(fd, data[done:aligned], done)
-            os.ftruncate(fd, size)
+                done += os.pwrite(fd, data[done:aligned], offset + done)
+            if offset + aligned > obj_size:
+                os.ftruncate(fd, obj_size)
             return
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
         finally:
             os.close(fd)
-    with open(path, "wb") as f:
-        f.write(data[:size])
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        view = data[:size]
+        done = 0
+        while done < size:
+            done += os.pwrite(fd, view[done:], offset + done)
+    finally:
+        os.close(fd)
+
+
+def _check_sums(path: str, offset: int, size: int, sums: bytes) -> bool:
+    """Whether a chunk's bytes in its object's file match their sums (a worker thread)."""
+    with open(path, "rb", buffering=0) as f:
+        for b in range(0, -(-size // VERIFY_BLOCK)):
+            n = min(VERIFY_BLOCK, size - b * VERIFY_BLOCK)
+            data = os.pread(f.fileno(), n, offset + b * VERIFY_BLOCK)
+            if len(data) != n or xxhash.xxh3_64_digest(data) != sums[b * 8:b * 8 + 8]:
+                return False
+    return True
 
 
 class ChunkCache:
@@ -359,8 +443,12 @@ class ChunkCache:
     """
 
     def __init__(self, db: StateDB, root: Path, capacity: int, chunk_size: int,
-                 store: ObjectStore, near_capacity: int = 0, buffers: int = 6) -> None:
+                 store: ObjectStore, near_capacity: int = 0, buffers: int = 6,
+                 file_gone: Callable[[str], None] = _nothing) -> None:
         self.db = db
+        # Told when an object's file leaves the cache (unlinked or handed over): a
+        # passthrough registration of it must not keep its space (core.passthrough).
+        self.file_gone = file_gone
         self.root = root
         self.configured = capacity
         self._stat_at = -1e9
@@ -395,53 +483,112 @@ class ChunkCache:
         self._room = trio.Event()  # set (and replaced) whenever space may have been freed
         self.waiting_for_room = 0  # writers waiting for write-back to free space
         self._advised: OrderedDict[ChunkId, None] = OrderedDict()
+        # Chunks that will be cache hits once the write under way is done (see `landed`).
+        self._landing: dict[ChunkId, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
-        (root / "chunks").mkdir(parents=True, exist_ok=True)
+        self._objects: dict[tuple[str, str], ObjFile] = {}  # by (key, etag)
+        (root / "objects").mkdir(parents=True, exist_ok=True)
         tmp = root / "tmp"
-        shutil.rmtree(tmp, ignore_errors=True)  # half-written chunks from a crash
+        shutil.rmtree(tmp, ignore_errors=True)  # half-written small objects from a crash
         tmp.mkdir()
         self._tmp_seq = 0
         self._load()
 
     # -- index ----------------------------------------------------------------------------
 
-    def _path(self, id_: int) -> str:
-        return str(self.root / "chunks" / f"{id_ % 256:02x}" / str(id_))
+    def _obj_path(self, id_: int) -> str:
+        return str(self.root / "objects" / f"{id_ % 256:02x}" / str(id_))
 
     def _load(self) -> None:
-        known: set[str] = set()
-        stale: list[tuple[object, ...]] = []
-        for id_, key, etag, idx, size, atime, pinned, sums in self.db.execute(
-                "SELECT id, key, etag, idx, size, atime, pinned, sums FROM chunks "
-                "ORDER BY atime"):
-            path = self._path(id_)
+        objs: dict[int, ObjFile] = {}
+        gone: list[tuple[object, ...]] = []
+        for id_, key, etag, size in self.db.execute(
+                "SELECT id, key, etag, size FROM objects"):
+            path = self._obj_path(id_)
             try:
-                ok = os.stat(path).st_size == size and sums is not None
+                if os.stat(path).st_size != size:
+                    os.truncate(path, size)  # (cut short by a crash after a rounded write)
             except FileNotFoundError:
-                ok = False
-            if not ok:
+                gone.append((id_,))
+                continue
+            objs[id_] = ObjFile(id_, key, etag, size, path)
+        stale: list[tuple[object, ...]] = []
+        for id_, key, etag, idx, size, atime, pinned, sums, oid in self.db.execute(
+                "SELECT id, key, etag, idx, size, atime, pinned, sums, obj FROM chunks "
+                "ORDER BY atime"):
+            obj = objs.get(oid) if oid is not None else None
+            if obj is None or sums is None or idx * self.chunk_size + size > obj.size:
                 stale.append((id_,))
                 continue
-            known.add(path)
-            self._insert(Chunk(id_, key, etag, idx, size, atime, path, bytes(sums),
-                               bool(pinned)))
+            self._insert(Chunk(id_, key, etag, idx, size, atime, obj, idx * self.chunk_size,
+                               bytes(sums), bool(pinned)))
         if stale:
-            log.info("dropping %d cache index entries whose chunk files are gone or were "
-                     "never checksummed", len(stale))
+            log.info("dropping %d cache index entries whose files are gone, were never "
+                     "checksummed or are of the old layout", len(stale))
             self.db.executemany("DELETE FROM chunks WHERE id=?", stale)
-        for sub in (self.root / "chunks").iterdir():
+        for obj in objs.values():
+            if not obj.chunks:
+                gone.append((obj.id,))
+                os.unlink(obj.path)
+                continue
+            self._objects[(obj.key, obj.etag)] = obj
+            # Bytes written but never indexed (a crash between the write and the commit)
+            # take disk space nobody accounts for: give them back.
+            for idx in range(-(-obj.size // self.chunk_size)):
+                if idx not in obj.chunks:
+                    punch_hole(obj.path, idx * self.chunk_size, self.chunk_size)
+        if gone:
+            self.db.executemany("DELETE FROM objects WHERE id=?", gone)
+        known = {obj.path for obj in self._objects.values()}
+        for sub in (self.root / "objects").iterdir():
             for f in sub.iterdir():
                 if str(f) not in known:
-                    f.unlink()  # written but never indexed (crash between write and commit)
-        log.info("chunk cache: %d chunks, %d bytes (%d pinned)", len(self._index),
-                 self.chunk_bytes, self.pinned_bytes)
+                    f.unlink()  # created but never indexed
+        shutil.rmtree(self.root / "chunks", ignore_errors=True)  # the old layout's files
+        log.info("chunk cache: %d chunks of %d objects, %d bytes (%d pinned)",
+                 len(self._index), len(self._objects), self.chunk_bytes, self.pinned_bytes)
+
+    def _obj_for(self, key: str, etag: str, size: int) -> ObjFile:
+        """The file of object version (key, etag), made (sparse) if it has none yet."""
+        obj = self._objects.get((key, etag))
+        if obj is not None and obj.size == size:
+            return obj
+        if obj is not None:  # the same version with another size: never both
+            for idx in list(obj.chunks):
+                self.remove(self._index[(key, etag, idx)])
+        cur = self.db.execute("INSERT OR REPLACE INTO objects (key, etag, size) "
+                              "VALUES (?, ?, ?)", (key, etag, size))
+        id_ = int(cur.lastrowid or 0)
+        path = self._obj_path(id_)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        obj = self._objects[(key, etag)] = ObjFile(id_, key, etag, size, path)
+        return obj
+
+    def _forget_obj(self, obj: ObjFile) -> None:
+        """The object version has no chunk here any more: its file goes (a passthrough
+        reader keeps the file it has open)."""
+        if self._objects.get((obj.key, obj.etag)) is obj:
+            del self._objects[(obj.key, obj.etag)]
+        self._files.drop(obj)
+        self.db.execute("DELETE FROM objects WHERE id=?", (obj.id,))
+        self.file_gone(obj.path)
+        try:
+            os.unlink(obj.path)
+        except FileNotFoundError:
+            pass
 
     def _insert(self, ch: Chunk) -> None:
         cid = (ch.key, ch.etag, ch.idx)
         self._index[cid] = ch
+        ch.obj.chunks.add(ch.idx)
         if ch.pinned:
             self.pinned_bytes += ch.size
-        else:
+        elif not ch.obj.holds:
             self._lru[cid] = ch
         self._by_key.setdefault(ch.key, set()).add(cid)
         self.chunk_bytes += ch.size
@@ -449,20 +596,23 @@ class ChunkCache:
     def remove(self, ch: Chunk) -> None:
         self._room_freed()
         self._remove_index_only(ch)
-        self._files.drop(ch)
         self.db.execute("DELETE FROM chunks WHERE id=?", (ch.id,))
-        try:
-            os.unlink(ch.path)
-        except FileNotFoundError:
-            pass
+        obj = ch.obj
+        if not obj.chunks:
+            self._forget_obj(obj)
+        elif obj.holds:
+            obj.doomed.add(ch.idx)  # never a hole under a passthrough reader
+        else:
+            punch_hole(obj.path, ch.offset, ch.size)
 
     def _remove_index_only(self, ch: Chunk) -> None:
         cid = (ch.key, ch.etag, ch.idx)
         del self._index[cid]
+        ch.obj.chunks.discard(ch.idx)
         if ch.pinned:
             self.pinned_bytes -= ch.size
         else:
-            del self._lru[cid]
+            self._lru.pop(cid, None)
         if cid in self._near:
             del self._near[cid]
             self.near_bytes -= ch.size
@@ -471,6 +621,83 @@ class ChunkCache:
         if not ids:
             del self._by_key[ch.key]
         self.chunk_bytes -= ch.size
+
+    def _near_room(self, size: int) -> None:
+        """Evict near-cache chunks (oldest first, never one a passthrough open holds)
+        until `size` more fit in its budget."""
+        while self.near_bytes + size > self.near_capacity:
+            victim = next((c for c in self._near if not self._index[c].obj.holds), None)
+            if victim is None:
+                return
+            self.remove(self._index[victim])
+            self.stats.evictions += 1
+
+    # -- whole objects (passthrough) --------------------------------------------------------
+
+    def whole_file(self, key: str, etag: str, size: int) -> str | None:
+        """The file of object version (key, etag) if every chunk of it is here."""
+        obj = self._objects.get((key, etag))
+        if (obj is None or obj.size != size or size == 0 or obj.doomed
+                or len(obj.chunks) != -(-size // self.chunk_size)):
+            return None
+        return obj.path
+
+    def hold(self, key: str, etag: str) -> ObjFile:
+        """A passthrough open uses the object's file: none of it is evicted meanwhile."""
+        obj = self._objects[(key, etag)]
+        obj.holds += 1
+        if obj.holds == 1:
+            for idx in obj.chunks:
+                self._lru.pop((obj.key, obj.etag, idx), None)
+        return obj
+
+    def holds_file(self, obj: ObjFile) -> bool:
+        """Whether `obj` is still the cache's file of its version."""
+        return self._objects.get((obj.key, obj.etag)) is obj
+
+    def unhold(self, obj: ObjFile) -> None:
+        obj.holds -= 1
+        if obj.holds or self._objects.get((obj.key, obj.etag)) is not obj:
+            return  # still held, or dropped meanwhile (its file went; the reader had it)
+        for idx in sorted(obj.chunks):
+            ch = self._index[(obj.key, obj.etag, idx)]
+            if not ch.pinned:
+                self._lru[(obj.key, obj.etag, idx)] = ch
+        for idx in obj.doomed:
+            punch_hole(obj.path, idx * self.chunk_size, self.chunk_size)
+        obj.doomed.clear()
+        self._room_freed()
+
+    def hand_over(self, obj: ObjFile) -> str:
+        """The object version's (complete) file leaves the cache: a writer makes it its
+        working copy. Its chunks are forgotten; the file is the caller's."""
+        del self._objects[(obj.key, obj.etag)]
+        for idx in list(obj.chunks):
+            ch = self._index[(obj.key, obj.etag, idx)]
+            self._remove_index_only(ch)
+            self.db.execute("DELETE FROM chunks WHERE id=?", (ch.id,))
+        self.db.execute("DELETE FROM objects WHERE id=?", (obj.id,))
+        self._files.drop(obj)
+        self.file_gone(obj.path)
+        self._room_freed()
+        return obj.path
+
+    async def verify(self, prefix: str = "") -> tuple[int, int, int]:
+        """Read every cached chunk under `prefix` and check it against its sums; drop the
+        ones that fail. (chunks checked, bytes checked, corrupt)."""
+        checked = nbytes = bad = 0
+        for ch in list(self.under(prefix)):
+            ok = await trio.to_thread.run_sync(_check_sums, ch.obj.path, ch.offset, ch.size,
+                                               ch.sums, limiter=self.disk)
+            cid = (ch.key, ch.etag, ch.idx)
+            if self._index.get(cid) is not ch:
+                continue  # gone meanwhile
+            checked += 1
+            nbytes += ch.size
+            if not ok:
+                bad += 1
+                self._corrupt(ch, CorruptChunk(f"chunk {ch.idx} of {ch.key!r}"))
+        return checked, nbytes, bad
 
     def set_pinned(self, ch: Chunk, pinned: bool) -> None:
         """Pinned chunks leave the LRU (and the near-cache) until unpinned."""
@@ -580,6 +807,16 @@ class ChunkCache:
         self.local_bytes += nbytes
         return True
 
+    def headroom(self) -> int:
+        """Bytes of the budget not used now."""
+        return max(0, self.capacity - self.used)
+
+    def charge_anyway(self, nbytes: int) -> None:
+        """Account `nbytes` already written outside the chunk index (by the kernel,
+        passthrough): evict what can go for them, and count them even beyond the budget."""
+        self.make_room(nbytes)
+        self.local_bytes += nbytes
+
     def release(self, nbytes: int) -> None:
         self.local_bytes -= nbytes
         self._room_freed()
@@ -598,7 +835,7 @@ class ChunkCache:
         return cid in self._index or cid in self._fetching or cid in self._recent
 
     def _touch(self, cid: ChunkId, ch: Chunk) -> None:
-        if not ch.pinned:
+        if cid in self._lru:
             self._lru.move_to_end(cid)
         if cid in self._near:
             self._near.move_to_end(cid)
@@ -611,8 +848,9 @@ class ChunkCache:
         less than a thread hop), else the kernel's readahead of the file is under way."""
         first, last = start // VERIFY_BLOCK, (start + n - 1) // VERIFY_BLOCK
         lo = first * VERIFY_BLOCK
-        data = memoryview(os.pread(self._files.fd(ch), min(ch.size, (last + 1) * VERIFY_BLOCK)
-                                   - lo, lo))
+        data = memoryview(os.pread(self._files.fd(ch.obj),
+                                   min(ch.size, (last + 1) * VERIFY_BLOCK) - lo,
+                                   ch.offset + lo))
         for b in range(first, last + 1):
             off = b * VERIFY_BLOCK - lo
             got = xxhash.xxh3_64_digest(data[off:off + VERIFY_BLOCK])
@@ -675,6 +913,7 @@ class ChunkCache:
                     # Read from memory and now worth keeping (a hot remote chunk): it goes
                     # to disk from the buffer, without fetching it again.
                     recent.keep, recent.near = True, near
+                    self._landing.setdefault(cid, trio.Event())
                     self._nursery.start_soon(self._keep_later, recent)
                 self._count(recent, n)
                 view = recent.view[start:end]
@@ -784,7 +1023,8 @@ class ChunkCache:
         if len(self._advised) > OPEN_CHUNKS:
             self._advised.popitem(last=False)
         try:
-            os.posix_fadvise(self._files.fd(ch), 0, 0, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(self._files.fd(ch.obj), ch.offset, ch.size,
+                             os.POSIX_FADV_WILLNEED)
         except OSError:
             pass  # (gone meanwhile: the reader fetches it again)
 
@@ -818,7 +1058,7 @@ class ChunkCache:
     def _start(self, cid: ChunkId, obj_size: int, source: ChunkSource, keep: bool,
                previous: PreviousOwners, near: bool = False,
                buf: mmap.mmap | None = None) -> _Fetch:
-        fetch = _Fetch(cid, self.chunk_len(obj_size, cid[2]), source, keep, near)
+        fetch = _Fetch(cid, self.chunk_len(obj_size, cid[2]), obj_size, source, keep, near)
         self._fetching[cid] = fetch
         assert self._nursery is not None, "the chunk cache is not running"
         self._nursery.start_soon(self._download, fetch, obj_size, previous, buf)
@@ -831,15 +1071,14 @@ class ChunkCache:
         reserved = False
         try:
             if fetch.keep and fetch.near:
-                while self._near and self.near_bytes + size > self.near_capacity:
-                    self.remove(self._index[next(iter(self._near))])
-                    self.stats.evictions += 1
+                self._near_room(size)
             if fetch.keep:
                 # Room is made now so that what is read is kept; without room it is read
                 # through a buffer and not kept (the cache is full of pinned or dirty data).
                 reserved = fetch.keep = self.make_room(size)
                 if reserved:
                     self.chunk_bytes += size  # reserved while downloading
+                    self._landing.setdefault(cid, trio.Event())
                 else:
                     self.stats.bypass += 1
             fetch.buf = buf or await self._take_buffer()
@@ -849,7 +1088,7 @@ class ChunkCache:
                 await self._fill(fetch, obj_size, previous)
                 if fetch.keep:
                     fetch.result = await self._keep(fetch)
-                    if fetch.near:
+                    if fetch.near and fetch.result is not None:
                         self._near[cid] = None
                         self.near_bytes += size
             except BaseException as e:
@@ -878,25 +1117,63 @@ class ChunkCache:
                 self.buffers.give(buf)
             if self._fetching.get(cid) is fetch:  # (a failed one may be replaced already)
                 del self._fetching[cid]
+            if reserved:
+                self._landed(cid)
             fetch.done.set()
             fetch.moved.set()
 
     async def _keep_later(self, fetch: _Fetch) -> None:
         """Write a completed download that is still in memory to the cache."""
+        try:
+            await self._keep_now(fetch)
+        finally:
+            self._landed(fetch.cid)
+
+    def _landed(self, cid: ChunkId) -> None:
+        """A chunk on its way to the disk got there (or will not)."""
+        ev = self._landing.pop(cid, None)
+        if ev is not None:
+            ev.set()
+
+    def _on_their_way(self, key: str, etag: str, size: int) -> list[trio.Event] | None:
+        """The landings of the chunks this object version misses on disk, if every one
+        of them is being written now (None if one is not: no use waiting)."""
+        obj = self._objects.get((key, etag))
+        have = obj.chunks if obj is not None else set()
+        waits = []
+        for idx in range(-(-size // self.chunk_size)):
+            if idx not in have:
+                ev = self._landing.get((key, etag, idx))
+                if ev is None:
+                    return None
+                waits.append(ev)
+        return waits
+
+    def landing(self, key: str, etag: str, size: int) -> bool:
+        """Whether this object misses chunks on disk that are all being written now."""
+        return bool(self._on_their_way(key, etag, size))
+
+    async def landed(self, key: str, etag: str, size: int, patience: float) -> None:
+        """Wait (at most `patience` seconds) for the chunks of this object version that
+        are being written to the cache disk, when they are all it misses there: an open
+        after them can be passed through. At once if a chunk is not on its way."""
+        with trio.move_on_after(patience):
+            for ev in self._on_their_way(key, etag, size) or ():
+                await ev.wait()
+
+    async def _keep_now(self, fetch: _Fetch) -> None:
         cid, size = fetch.cid, fetch.size
         if cid in self._index or fetch.view is None:
             return
         if fetch.near:
-            while self._near and self.near_bytes + size > self.near_capacity:
-                self.remove(self._index[next(iter(self._near))])
-                self.stats.evictions += 1
+            self._near_room(size)
         if not self.make_room(size):
             return
         self.chunk_bytes += size
         fetch.readers += 1  # its buffer is not taken while it is written
         try:
             fetch.result = await self._keep(fetch)
-            if fetch.near:
+            if fetch.near and fetch.result is not None:
                 self._near[cid] = None
                 self.near_bytes += size
         except Exception as e:
@@ -938,42 +1215,52 @@ class ChunkCache:
         else:
             self.stats.bytes_from_s3 += size
 
-    async def _keep(self, fetch: _Fetch) -> Chunk:
-        """Checksum a complete chunk and write it to the cache disk (in a thread); it is
-        a cache hit from then on."""
+    async def _keep(self, fetch: _Fetch) -> Chunk | None:
+        """Checksum a complete chunk and write it into its object's file (in a thread);
+        it is a cache hit from then on. None if the object's file went meanwhile (the
+        version was dropped: nothing to keep)."""
         assert fetch.view is not None
         data, size = fetch.view, fetch.size
-        tmp = self._tmp_path()
+        key, etag, idx = fetch.cid
+        obj = self._obj_for(key, etag, fetch.obj_size)
+        offset = idx * self.chunk_size
 
         def work() -> bytes:
             sums = block_sums(data[:size])
-            _write_chunk(tmp, data, size)
+            _write_chunk(obj.path, offset, data, size, obj.size)
             return sums
 
         try:
             sums = await trio.to_thread.run_sync(work, limiter=self.disk)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        return self._adopt(tmp, fetch.cid, size, sums)
+        except FileNotFoundError:
+            return None
+        if self._objects.get((key, etag)) is not obj:
+            return None
+        return self._adopt(obj, fetch.cid, size, sums)
 
-    def _adopt(self, tmp: str, cid: ChunkId, size: int, sums: bytes) -> Chunk:
-        """Make a written temporary file the cached chunk `cid`."""
+    def _adopt(self, obj: ObjFile, cid: ChunkId, size: int, sums: bytes) -> Chunk:
+        """Index chunk `cid`, now written into its object's file."""
         key, etag, idx = cid
         now = time.time()
         cur = self.db.execute(
-            "INSERT OR REPLACE INTO chunks (key, etag, idx, size, atime, sums) "
-            "VALUES (?, ?, ?, ?, ?, ?)", (key, etag, idx, size, now, sums))
-        id_ = int(cur.lastrowid or 0)
-        path = self._path(id_)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.rename(tmp, path)
-        ch = Chunk(id_, key, etag, idx, size, now, path, sums)
+            "INSERT OR REPLACE INTO chunks (key, etag, idx, size, atime, sums, obj) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)", (key, etag, idx, size, now, sums, obj.id))
+        ch = Chunk(int(cur.lastrowid or 0), key, etag, idx, size, now, obj,
+                   idx * self.chunk_size, sums)
         self._insert(ch)
         return ch
+
+    def _adopt_whole(self, tmp: str, key: str, etag: str, size: int, sums: bytes) -> None:
+        """A small object written whole to `tmp` becomes its version's file (chunk 0)."""
+        obj = self._objects.get((key, etag))
+        if obj is not None and (obj.chunks or obj.holds or obj.size != size):
+            os.unlink(tmp)
+            return
+        if obj is None:
+            obj = self._obj_for(key, etag, size)
+        os.rename(tmp, obj.path)
+        self._files.drop(obj)
+        self._adopt(obj, (key, etag, 0), size, sums)
 
     def _tmp_path(self) -> str:
         self._tmp_seq += 1
@@ -1007,9 +1294,9 @@ class ChunkCache:
         info, n = got
         cid = (key, info.etag, 0)
         # Only a whole object is a complete chunk 0 (it may have grown since the LIST).
-        if n == info.size and cid not in self._index and cid not in self._fetching:
+        if n == info.size and n and cid not in self._index and cid not in self._fetching:
             self.stats.bytes_from_s3 += n
-            self._adopt(tmp, cid, n, block_sums(memoryview(data)[:n]))
+            self._adopt_whole(tmp, key, info.etag, n, block_sums(memoryview(data)[:n]))
         else:
             os.unlink(tmp)
         return info
@@ -1047,11 +1334,11 @@ class ChunkCache:
         try:
             for (info, data), tmp, sum_ in zip(whole, tmps, sums, strict=True):
                 cid = (info.key, info.etag, 0)
-                if cid in self._index or cid in self._fetching:
+                if cid in self._index or cid in self._fetching or not data:
                     os.unlink(tmp)
                     continue
                 self.stats.bytes_from_s3 += len(data)
-                self._adopt(tmp, cid, len(data), sum_)
+                self._adopt_whole(tmp, info.key, info.etag, len(data), sum_)
         finally:
             self.db.execute("COMMIT")
         for info, _ in got:
@@ -1078,16 +1365,26 @@ class ChunkCache:
                 self._release_recent(cid)
 
     def rekey(self, old_key: str, old_etag: str, new_key: str, new_etag: str) -> None:
-        """After a server-side copy the bytes are the same: keep them under the new name."""
+        """After a server-side copy the bytes are the same: keep them under the new name
+        (the object's file with them; if the new version has a file already, the old
+        one's chunks go)."""
         self._forget_recent(old_key, None)
-        for cid in list(self._by_key.get(old_key, ())):
-            if cid[1] != old_etag:
-                continue
-            ch = self._index[cid]
-            if (new_key, new_etag, ch.idx) in self._index:
+        obj = self._objects.get((old_key, old_etag))
+        if obj is None or (old_key, old_etag) == (new_key, new_etag):
+            return
+        chunks = [self._index[(old_key, old_etag, idx)] for idx in sorted(obj.chunks)]
+        if (new_key, new_etag) in self._objects:
+            for ch in chunks:
                 self.remove(ch)
-                continue
+            return
+        for ch in chunks:
             self._remove_index_only(ch)
+        del self._objects[(old_key, old_etag)]
+        obj.key, obj.etag = new_key, new_etag
+        self._objects[(new_key, new_etag)] = obj
+        self.db.execute("UPDATE objects SET key=?, etag=? WHERE id=?",
+                        (new_key, new_etag, obj.id))
+        for ch in chunks:
             ch.key, ch.etag = new_key, new_etag
             self.db.execute("UPDATE chunks SET key=?, etag=? WHERE id=?",
                             (new_key, new_etag, ch.id))

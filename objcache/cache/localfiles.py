@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
+import xxhash
 
 from objcache.cache.statedb import StateDB
 from objcache.entries import Attrs
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FILL_PIECE = 8 << 20
+# A file written through passthrough is still looked at this long after its last writer
+# closed it: a shared mapping outlives the close, and the kernel tells us nothing of the
+# writes through it.
+BYPASS_WATCH = 60.0
 
 
 def _pack(chunks: set[int]) -> bytes:
@@ -44,6 +49,19 @@ def _pack(chunks: set[int]) -> bytes:
 
 def _unpack(blob: bytes) -> set[int]:
     return {i * 8 + b for i, byte in enumerate(blob) for b in range(8) if byte >> b & 1}
+
+
+def _digest(path: str, start: int, length: int) -> bytes:
+    h = xxhash.xxh3_128()
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        while length > 0:
+            data = f.read(min(length, FILL_PIECE))
+            if not data:
+                break
+            h.update(data)
+            length -= len(data)
+    return h.digest()
 
 
 def _copy_file(src_path: str, dst_path: str) -> None:
@@ -62,6 +80,9 @@ class LocalFile:
     sealed: bytes below this offset were handed to a streaming upload and must not change;
         a write or truncate below it (or a rename) sets `seal_broken`, and the upload falls
         back to sending the whole file. 0 when nothing is sealed.
+    bypass: writers whose writes the kernel makes to the data file without us
+        (passthrough); `observe` takes in what they did. `seen`: the data file's (size,
+        mtime, ctime) as last taken in.
     """
 
     __slots__ = ("fid", "key", "path", "base_key", "base_etag", "base_size", "base_limit",
@@ -69,7 +90,7 @@ class LocalFile:
                  "ctime_ns", "dirty",
                  "dirty_since", "etag", "version", "writers", "opens", "lock", "fd",
                  "last_change", "removed", "charged", "urgent", "shared", "unsharing",
-                 "sealed", "seal_broken")
+                 "sealed", "seal_broken", "bypass", "seen", "watch_until")
 
     def __init__(self, fid: int, key: str, path: str) -> None:
         self.fid = fid
@@ -103,6 +124,9 @@ class LocalFile:
         self.unsharing: trio.Event | None = None  # set when a copy under way is done
         self.sealed = 0
         self.seal_broken = False
+        self.bypass = 0
+        self.seen: tuple[int, int, int] | None = None
+        self.watch_until = 0.0
 
     @property
     def attrs(self) -> Attrs:
@@ -130,6 +154,7 @@ class LocalFiles:
     def __init__(self, db: StateDB, root: Path, space: ChunkCache,
                  reader: ChunkRouter, wait_budget: float = 60.0) -> None:
         self.db = db
+        self.file_gone = space.file_gone  # (the same listener: see ChunkCache)
         self.root = root / "local"
         self.root.mkdir(parents=True, exist_ok=True)
         self.space = space
@@ -139,6 +164,7 @@ class LocalFiles:
         self.changed = trio.Event()  # set when a file becomes dirty or closes (wakes flusher)
         self.wait_budget = wait_budget  # seconds a write waits without any room freed
         self._charging: set[int] = set()  # files being made room for (never evicted)
+        self.watched: set[LocalFile] = set()  # files written without us (see `observe`)
         self._load()
 
     # -- journal --------------------------------------------------------------------------
@@ -214,6 +240,24 @@ class LocalFiles:
             lf.charged = lf.size
         lf.fd = fd
         self._save(lf)
+        self.by_key[key] = lf
+        return lf
+
+    def adopt(self, key: str, a: Attrs, path: str, size: int, etag: str) -> LocalFile:
+        """A clean working copy made of `path`, a whole copy of S3 version `etag` that
+        the chunk cache handed over: it is moved here, not copied."""
+        cur = self.db.execute(
+            "INSERT INTO files (key, base_key, base_etag, base_size, base_limit, materialized, "
+            "size, mode, uid, gid, mtime_ns, atime_ns, ctime_ns, dirty, dirty_since, etag) "
+            "VALUES (?, NULL, NULL, 0, 0, x'', ?, ?, ?, ?, ?, ?, ?, 0, NULL, ?)",
+            (key, size, a.mode, a.uid, a.gid, a.mtime_ns, a.atime_ns, a.ctime_ns, etag))
+        lf = LocalFile(int(cur.lastrowid or 0), key, "")
+        lf.path = str(self.root / str(lf.fid))
+        os.rename(path, lf.path)
+        lf.set_attrs(a)
+        lf.etag = etag
+        lf.size = lf.charged = size
+        self.space.charge_anyway(size)  # (the cache released them as chunks)
         self.by_key[key] = lf
         return lf
 
@@ -363,6 +407,7 @@ class LocalFiles:
         lf.modified()
         self.mark_dirty(lf)
         self._save(lf)
+        self._seen_now(lf)
 
     async def fill(self, lf: LocalFile, size: int,
                    piece: Callable[[int, int], Awaitable[bytes]]) -> None:
@@ -395,6 +440,77 @@ class LocalFiles:
                     parts.append(bytes(stop - from_base))
             offset = stop
         return b"".join(parts)
+
+    # -- writes that bypass us -----------------------------------------------------------
+
+    def _stat(self, lf: LocalFile) -> tuple[tuple[int, int, int], int] | None:
+        """((size, mtime, ctime), bytes allocated) of the data file. Only the first tell
+        a change: the file system allocates blocks (extents, at writeback) long after
+        the write that needed them."""
+        try:
+            st = os.stat(lf.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_size, st.st_mtime_ns, st.st_ctime_ns), st.st_blocks * 512
+
+    def bypass_opened(self, lf: LocalFile) -> None:
+        """A writer whose writes go to the data file without us (passthrough) opened it."""
+        if lf.bypass == 0 and lf not in self.watched:
+            self._seen_now(lf, watched=False)
+        lf.bypass += 1
+        self.watched.add(lf)
+
+    def bypass_closed(self, lf: LocalFile) -> None:
+        self.observe(lf)
+        lf.bypass -= 1
+        if lf.bypass == 0:
+            lf.watch_until = time.monotonic() + BYPASS_WATCH
+
+    def observe(self, lf: LocalFile) -> bool:
+        """Take in what writes that bypassed us (passthrough, a shared mapping) did to a
+        watched file: its size and times become the data file's, and a change makes it
+        dirty (a new version: an upload racing it does not mark it clean). True if it
+        changed."""
+        if lf not in self.watched:
+            return False
+        if lf.removed or (not lf.bypass and time.monotonic() > lf.watch_until):
+            self.watched.discard(lf)
+        got = self._stat(lf)
+        if got is None or got[0] == lf.seen:
+            return False
+        lf.seen, allocated = got
+        old = lf.size
+        lf.size, lf.mtime_ns, lf.ctime_ns = lf.seen
+        grow = min(allocated, lf.size) - lf.charged  # (a hole takes no room)
+        if grow > 0:  # on the disk already: accounted even beyond the budget
+            self.space.charge_anyway(grow)
+            lf.charged += grow
+        if lf.size // self.cs != old // self.cs:
+            self.changed.set()  # a chunk is complete: streaming write-back may send it
+        self.mark_dirty(lf)
+        return True
+
+    def bypassed(self, lf: LocalFile) -> bool:
+        """Whether writes to the file may come without us seeing them."""
+        return lf in self.watched
+
+    async def digest(self, lf: LocalFile, start: int, length: int) -> bytes:
+        """A digest of bytes [start, start+length) of the data file (in a thread): what
+        a streaming upload sent of a file written without us is checked against it."""
+        return await trio.to_thread.run_sync(_digest, lf.path, start, length,
+                                             limiter=self.space.disk)
+
+    def observe_all(self) -> None:
+        for lf in list(self.watched):
+            self.observe(lf)
+
+    def _seen_now(self, lf: LocalFile, watched: bool = True) -> None:
+        """We changed a watched file ourselves (or start watching it): what it looks
+        like now is not news."""
+        if watched and lf not in self.watched:
+            return
+        got = self._stat(lf)
+        lf.seen = got[0] if got is not None else None
 
     def save(self, lf: LocalFile) -> None:
         """Journal size and attributes (close, chmod, ...)."""
@@ -440,6 +556,8 @@ class LocalFiles:
             self._drop_data(lf)
 
     def _drop_data(self, lf: LocalFile) -> None:
+        self.watched.discard(lf)
+        self.file_gone(lf.path)
         if lf.fd >= 0:
             os.close(lf.fd)
             lf.fd = -1

@@ -165,8 +165,26 @@ class ChunkRouter:
         self._remote_reads[cid] = seen
         if len(self._remote_reads) > REMOTE_READS_KEPT:
             self._remote_reads.popitem(last=False)
-        hot = bool(self.cache.near_capacity) and seen > self.cache.chunk_len(obj_size, idx)
+        # An object that fits the near-cache twice over is kept whole from its first
+        # read: with every chunk here, its next open is served by the kernel
+        # (passthrough) instead of crossing the network and the daemon again.
+        hot = bool(self.cache.near_capacity) and (
+            obj_size <= self.cache.near_capacity // 2
+            or seen > self.cache.chunk_len(obj_size, idx))
         return {"keep": hot, "near": hot}
+
+    def landing(self, key: str, etag: str, size: int) -> bool:
+        """Whether this object misses only chunks being written here (see ChunkCache)."""
+        return self.cache.landing(key, etag, size)
+
+    async def landed(self, key: str, etag: str, size: int, patience: float) -> None:
+        """Until this object's chunks being written here are on disk (see ChunkCache)."""
+        await self.cache.landed(key, etag, size, patience)
+
+    def whole_file(self, key: str, etag: str, size: int) -> str | None:
+        """The file holding every byte of this object version on this node, if one does
+        (chunks this node owns and near-cache copies of others' share it)."""
+        return self.cache.whole_file(key, etag, size)
 
     # -- serving peers (we are the owner) -------------------------------------------------
 

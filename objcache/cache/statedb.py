@@ -15,6 +15,15 @@ SCHEMA_VERSION = 1
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- One row per clean object version with cached chunks: its file objects/XX/<id> holds
+-- chunk idx at offset idx * chunk size (holes where a chunk is not cached).
+CREATE TABLE IF NOT EXISTS objects (
+    id INTEGER PRIMARY KEY,
+    key TEXT NOT NULL,
+    etag TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    UNIQUE (key, etag)
+);
 -- One row per cached chunk of a clean object version: (key, etag, idx) names its bytes.
 CREATE TABLE IF NOT EXISTS chunks (
     id INTEGER PRIMARY KEY,
@@ -25,6 +34,7 @@ CREATE TABLE IF NOT EXISTS chunks (
     atime REAL NOT NULL,
     pinned INTEGER NOT NULL DEFAULT 0,  -- 1: kept until unpinned (prefetch --pin)
     sums BLOB,                  -- xxh3-64 of each 256 KiB block, verified on every read
+    obj INTEGER,                -- the objects row whose file holds it
     UNIQUE (key, etag, idx)
 );
 -- One row per file whose data lives in a local file under local/ (new or modified files).
@@ -63,6 +73,8 @@ class StateDB:
             self.conn.execute("ALTER TABLE chunks ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
         if "sums" not in cols:  # from before checksums: such chunks are fetched again
             self.conn.execute("ALTER TABLE chunks ADD COLUMN sums BLOB")
+        if "obj" not in cols:  # from before object files (a file per chunk): fetched again
+            self.conn.execute("ALTER TABLE chunks ADD COLUMN obj INTEGER")
         cols = {row[1] for row in self.conn.execute("PRAGMA table_info(files)")}
         for col in ("atime_ns", "ctime_ns"):  # from before atime and ctime were kept
             if col not in cols:

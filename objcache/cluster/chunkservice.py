@@ -34,7 +34,8 @@ class ChunkService:
 
     def routes(self) -> dict[str, Handler]:
         return {"read": self._read, "chunk": self._chunk, "warm": self._warm,
-                "prefetch": self._prefetch, "unpin": self._unpin, "evict": self._evict}
+                "prefetch": self._prefetch, "unpin": self._unpin, "evict": self._evict,
+                "verify": self._verify}
 
     def _chunk_args(self, msg: dict[str, Any]) -> tuple[str, str, int, int]:
         key, etag = field_str(msg, "key"), field_str(msg, "etag")
@@ -96,3 +97,7 @@ class ChunkService:
     async def _evict(self, peer: str, msg: dict[str, Any]) -> Reply:
         dropped, kept = self.pins.evict(field_str(msg, "prefix"))
         return {"bytes": dropped, "pinned_kept": kept}, None
+
+    async def _verify(self, peer: str, msg: dict[str, Any]) -> Reply:
+        checked, nbytes, corrupt = await self.router.cache.verify(field_str(msg, "prefix"))
+        return {"chunks": checked, "bytes": nbytes, "corrupt": corrupt}, None

@@ -43,6 +43,7 @@ from objcache.core.inode import (
     child_key,
     parent_key,
 )
+from objcache.core.passthrough import NO_PASSTHROUGH, Backed, Passthrough, writer_headroom
 from objcache.entries import Attrs, DirEntry, FileEntry, FlushScope, ObjectRef
 from objcache.errors import (
     Exists,
@@ -55,6 +56,7 @@ from objcache.errors import (
     NotFound,
     ObjcacheError,
     ReadOnly,
+    StaleObject,
     first_error,
 )
 from objcache.store.meta import parse_meta
@@ -106,12 +108,20 @@ MAX_SWEEPS = 4096  # directories whose stats are being followed
 # prefetched (once META_WASTE_MIN were), no new prefetch starts.
 META_WASTE_SHARE = 0.25
 META_WASTE_MIN = 256
+# How often files written through passthrough are looked at (their size and times: the
+# kernel tells us nothing of those writes; streaming write-back follows the size).
+BYPASS_LOOK = 0.2
+# How long an open waits for the chunks of its object that are being written to the cache
+# disk, when they are all that keeps it from being passed through.
+LANDING_PATIENCE = 2.0
 
 
 class KernelNotifier(Protocol):
     """What the FUSE layer does when something we told the kernel changed elsewhere."""
 
     def entry(self, parent_ino: int, name: str) -> None: ...
+
+    def delete(self, parent_ino: int, ino: int, name: str) -> None: ...
 
     def inode(self, ino: int) -> None: ...
 
@@ -122,6 +132,9 @@ class NoNotifier:
     """No kernel to tell (the core driven without FUSE)."""
 
     def entry(self, parent_ino: int, name: str) -> None:
+        pass
+
+    def delete(self, parent_ino: int, ino: int, name: str) -> None:
         pass
 
     def inode(self, ino: int) -> None:
@@ -228,8 +241,10 @@ class Filesystem:
 
     def __init__(self, cfg: MountConfig, backend: Backend, router: ChunkRouter,
                  local: LocalFiles, notifier: KernelNotifier = NO_NOTIFIER,
-                 meta: ObjectMetaSource = NO_OBJECT_META) -> None:
+                 meta: ObjectMetaSource = NO_OBJECT_META,
+                 passthrough: Passthrough = NO_PASSTHROUGH) -> None:
         self.cfg = cfg
+        self.passthrough = passthrough
         self.meta = meta
         self.backend = backend
         self.store = backend.store
@@ -274,6 +289,7 @@ class Filesystem:
         reports changed."""
         async with trio.open_nursery() as nursery:
             self._background = nursery
+            nursery.start_soon(self._look_at_bypassed)
             task_status.started()
             try:
                 while True:
@@ -281,6 +297,12 @@ class Filesystem:
                     self._apply_changes(self.backend.take_changes())
             finally:
                 self._background = None
+
+    async def _look_at_bypassed(self) -> None:
+        while True:
+            await trio.sleep(BYPASS_LOOK)
+            if self.local.watched:
+                self.local.observe_all()
 
     # -- inode table ----------------------------------------------------------------------
 
@@ -398,6 +420,7 @@ class Filesystem:
         nlink = 0 if inode.detached else self._dir_links(inode) if inode.is_dir else 1
         lf = self._working_copy_of(inode)
         if lf is not None:
+            self.local.observe(lf)  # (written through passthrough: the size is the file's)
             timeout = 0.0 if inode.detached else self.ttl
             return Attr(inode.ino, lf.mode, lf.size, lf.uid, lf.gid, lf.mtime_ns, timeout,
                         nlink, lf.atime_ns, lf.ctime_ns)
@@ -471,7 +494,15 @@ class Filesystem:
         if remember and info.metadata is not None:
             self.meta.remember(info)
         modified = modified_s(info)
-        if inode.etag is not None and inode.etag != info.etag:
+        if inode.etag is not None and inode.etag != info.etag and inode.backed is not None:
+            # Passthrough opens read the old version's file and every open of an inode
+            # shares one backing file: the name gets a new inode, they keep the old one.
+            new = self._new_inode(inode.key, inode.mode)
+            self._replace_child(new)
+            inode = new
+        elif inode.etag is not None and inode.etag != info.etag:
+            if inode.lookups > 0:
+                self.notify.attrs_now(inode.ino)  # (a new version: its size, its mtime)
             inode.content_gen += 1
             inode.meta_loaded = False
             inode.target = None
@@ -806,6 +837,28 @@ class Filesystem:
         self._apply_changes(self.backend.take_changes())
         return changed
 
+    def lookup_now(self, parent_ino: int, name: bytes | str) -> Attr | None:
+        """`lookup` of a child known here and fresh (no S3 request, no catch-up); None
+        when `lookup` has to ask."""
+        parent = self._dir(parent_ino)
+        name = _name(name)
+        if name == CTRL_NAME:
+            return self.ctrl_attr()
+        key = self._key(parent, name)
+        if (self.backend.entry(key) is not None or self.backend.entry(key + "/") is not None
+                or self.backend.live_under(key + "/")):
+            return None  # (the namespace's entries: `_resolve` shows them)
+        ino = parent.children.get(name) if parent.children is not None else None
+        inode = self.inodes.get(ino if ino is not None else self.by_key.get(key, -1))
+        if inode is None or inode.overlay is not None or not (
+                inode.is_dir or key in self.local.by_key
+                or (inode.meta_loaded and self._fresh(inode.checked))):
+            return None
+        if self._meta_prefetching:
+            self._stat_seen(parent, name)
+        inode.lookups += 1
+        return self.attr(inode)
+
     async def lookup(self, parent_ino: int, name: bytes | str) -> Attr:
         parent = self._dir(parent_ino)
         name = _name(name)
@@ -820,6 +873,17 @@ class Filesystem:
             inode = await self._resolve(parent, name)
         inode.lookups += 1
         return self.attr(inode)
+
+    def getattr_now(self, ino: int) -> Attr | None:
+        """The attributes if they are known and fresh (no S3 request needed); None if
+        `getattr` has to ask."""
+        if ino == CTRL_INO:
+            return self.ctrl_attr()
+        inode = self.inode(ino)
+        if inode.detached or inode.is_dir or inode.key in self.local.by_key or (
+                inode.meta_loaded and self._fresh(inode.checked)):
+            return None if inode.detached else self.attr(inode)
+        return None
 
     async def getattr(self, ino: int) -> Attr:
         if ino == CTRL_INO:
@@ -999,8 +1063,10 @@ class Filesystem:
                 inode = self._inode_for(key, e, False)
             children[name] = inode.ino
 
-    async def readdir(self, ino: int) -> list[tuple[str, Attr]]:
-        """A snapshot of the directory, sorted by name (the handle pages through it)."""
+    async def opendir(self, ino: int) -> tuple[list[tuple[str, int, int]], bool]:
+        """A snapshot of the directory's (name, inode, mode), sorted by name (the handle
+        pages through it), and whether it is the listing the kernel was given last time:
+        the kernel then keeps the listing it cached and reads none of it from us."""
         d = self._dir(ino)
         await self.sync()  # a listing shows every change committed before it
         if d.detached:
@@ -1008,12 +1074,25 @@ class Filesystem:
             # directory, no directory at all.
             raise NotFound(f"directory inode {ino} was moved or removed")
         children = await self._list(d)
+        shown = hash(frozenset(children.items()))
+        same = d.kernel_listing == shown
+        d.kernel_listing = shown
         out = []
         for name in sorted(children):
             inode = self.inodes.get(children[name])
             if inode is not None:
-                out.append((name, self.attr(inode)))
-        return out
+                out.append((name, inode.ino, inode.mode))
+        return out, same
+
+    def listed_attr(self, ino: int) -> Attr | None:
+        """The attributes of an inode a listing named (None: gone since)."""
+        inode = self.inodes.get(ino)
+        return self.attr(inode) if inode is not None else None
+
+    async def readdir(self, ino: int) -> list[tuple[str, Attr]]:
+        """The directory's entries with their attributes, sorted by name."""
+        entries, _ = await self.opendir(ino)
+        return [(name, a) for name, i, _ in entries if (a := self.listed_attr(i)) is not None]
 
     def note_lookup(self, ino: int) -> None:
         """readdirplus handed the kernel an entry: that counts as a lookup."""
@@ -1136,26 +1215,67 @@ class Filesystem:
         return self.local.create(inode.key, inode.attrs, base=base,
                                  etag=inode.etag if inode.in_s3 else None)
 
-    async def open(self, ino: int, flags: int) -> tuple[int, bool]:
-        """Returns (file handle, whether the kernel may keep its cached pages)."""
+    def _opening(self, ino: int, flags: int) -> tuple[Inode, bool]:
+        """open's checks before the catch-up: (the inode, whether it opens for writing)."""
         inode = self.inode(ino)
         if inode.is_dir:
             raise IsADirectory(inode.key)
         writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
         if writable:
             self._writable()
-        await self.sync()  # close-to-open: every close committed anywhere before this
-        lf = self.local.by_key.get(inode.key)
+        return inode, writable
+
+    def _caught_up(self, inode: Inode) -> LocalFile | None:
+        """open's checks after the catch-up; the working copy here, if any."""
+        if inode.detached and self._working_copy_of(inode) is None:
+            # The name now shows another inode (replaced or removed meanwhile, maybe by
+            # the catch-up just before, after the kernel looked the name up): ESTALE makes
+            # the kernel look it up again and open what the name shows now.
+            raise StaleObject(f"inode {inode.ino} was replaced or removed")
         parent = self._parent_of(inode.key)
         if parent is not None:
-            parent.read_children += 1  # see _head_file
+            parent.read_children += 1  # see _head_file (a revalidation GETs it whole)
         e = self.backend.entry(inode.key)
         if isinstance(e, FileEntry):
             self._show(inode, e)
-        elif lf is None and (inode.overlay is not None
-                             or not (inode.meta_loaded and self._fresh(inode.checked))):
-            # Written back or removed since we showed an entry, or stale: close-to-open
-            # against S3, so an open after the TTL sees a changed object.
+        return self.local.by_key.get(inode.key)
+
+    def _stale_for_open(self, inode: Inode, lf: LocalFile | None) -> bool:
+        """Written back or removed since we showed an entry, or stale: close-to-open
+        against S3 (a HEAD), so an open after the TTL sees a changed object."""
+        return (lf is None and not isinstance(self.backend.entry(inode.key), FileEntry)
+                and (inode.overlay is not None
+                     or not (inode.meta_loaded and self._fresh(inode.checked))))
+
+    def _landing(self, inode: Inode, lf: LocalFile | None, source: Source) -> bool:
+        """Whether the object's last chunks may be on their way to the cache disk (a read
+        just now): worth a moment's wait, for a passthrough open instead of the daemon's."""
+        return (isinstance(source, ObjectSource) and lf is None and inode.backed is None
+                and not inode.daemon_opens and self.passthrough.available
+                and self.router.landing(source.ref.key, source.ref.etag, source.ref.size))
+
+    def open_now(self, ino: int, flags: int) -> tuple[int, bool, int] | None:
+        """`open` when it needs no wait: one node (no catch-up), a fresh clean file or a
+        working copy here, no O_TRUNC; None when `open` has to."""
+        if not self.backend.sync_is_local:
+            return None
+        inode, writable = self._opening(ino, flags)
+        self._apply_changes(self.backend.take_changes())
+        lf = self._caught_up(inode)
+        if self._stale_for_open(inode, lf) or (writable and flags & os.O_TRUNC):
+            return None
+        source = self._source(inode)
+        if self._landing(inode, lf, source):
+            return None
+        return self._opened(inode, writable, source, lf)
+
+    async def open(self, ino: int, flags: int) -> tuple[int, bool, int]:
+        """Returns (file handle, whether the kernel may keep its cached pages, the
+        passthrough backing id or 0)."""
+        inode, writable = self._opening(ino, flags)
+        await self.sync()  # close-to-open: every close committed anywhere before this
+        lf = self._caught_up(inode)
+        if self._stale_for_open(inode, lf):
             fresh = await self._revalidate(inode)
             if fresh.ino != inode.ino:
                 raise NotFound(inode.key)
@@ -1164,17 +1284,121 @@ class Filesystem:
             # O_TRUNC changes the file (and its mtime) even when it is empty already.
             lf = lf or await self._working_copy(inode, empty=True)
             await self.local.truncate(lf, 0)
-        fh = FileHandle(inode, writable, self._source(inode), lf)
+        source = self._source(inode)
+        if self._landing(inode, lf, source):
+            ref = source.ref  # type: ignore[attr-defined]
+            await self.router.landed(ref.key, ref.etag, ref.size, LANDING_PATIENCE)
+        return self._opened(inode, writable, source, lf)
+
+    def _opened(self, inode: Inode, writable: bool, source: Source,
+                lf: LocalFile | None) -> tuple[int, bool, int]:
+        fh = FileHandle(inode, writable, source, lf)
         if lf is not None:
             self.local.opened(lf, writable)
+        backing_id = self._pass_through(fh)
         keep = inode.kernel_gen == inode.content_gen
         if not keep:
             self.notify.attrs_now(inode.ino)  # the kernel's size may be an old version's
         inode.kernel_gen = inode.content_gen
-        return self._new_handle(fh), keep
+        return self._new_handle(fh), keep, backing_id
+
+    # -- passthrough ------------------------------------------------------------------------
+
+    def _pass_through(self, h: FileHandle) -> int:
+        """The backing id the kernel serves this new handle from, or 0: the daemon serves
+        it (see objcache.core.passthrough for the kernel's rules)."""
+        inode = h.inode
+        b = inode.backed
+        if b is None:
+            found = None
+            if self.passthrough.available and not inode.daemon_opens:
+                found = self._backing_file(h)
+            b = self.passthrough.register(found[0]) if found is not None else None
+            if b is None:
+                inode.daemon_opens += 1
+                self.passthrough.daemon_opens += 1
+                return 0
+            b.lf = found[1]
+            if found[2] is not None:
+                b.obj = self.router.cache.hold(*found[2])
+            inode.backed = b
+        if h.writable:
+            if b.lf is None:
+                self._hand_over(inode, b)
+            if b.lf is None:
+                # (its version left the cache while read: a writer of this inode has no
+                # file to share with the readers; reopening gets the current version)
+                raise StaleObject(f"{inode.key}: changed while open; open it again")
+            if h.lf is None:
+                h.lf = b.lf  # its writes go there, by the kernel
+                self.local.opened(b.lf, True)
+            self.local.bypass_opened(b.lf)
+        b.opens += 1
+        h.backed = True
+        self.passthrough.opens += 1
+        return b.id
+
+    def _backing_file(self, h: FileHandle
+                      ) -> tuple[str, LocalFile | None, tuple[str, str] | None] | None:
+        """The file that holds all of the inode's bytes on this node, if one does: a
+        working copy, or a cached object version (path, working copy, (key, etag))."""
+        inode = h.inode
+        if h.writable and self.router.cache.headroom() < writer_headroom(
+                self.router.cache.capacity):
+            return None  # (too little room to let a writer run ahead of the budget)
+        lf = h.lf or self._working_copy_of(inode)
+        if lf is not None:
+            if lf.removed or lf.base_limit or lf.shared:
+                return None  # partly an S3 version still, or a sealed blob now
+            return lf.path, lf, None
+        src = h.source
+        if not isinstance(src, ObjectSource) or inode.detached:
+            return None
+        ref = src.ref
+        if h.writable and ref.key != inode.key:
+            return None  # (a renamed file still reading its old key's object)
+        path = self.router.whole_file(ref.key, ref.etag, ref.size)
+        return (path, None, (ref.key, ref.etag)) if path is not None else None
+
+    def _hand_over(self, inode: Inode, b: Backed) -> None:
+        """A writer opens a file whose backing file is a cached object version: that file
+        becomes its working copy, in place (the kernel keeps serving every open of the
+        inode from it)."""
+        assert b.obj is not None
+        if not self.router.cache.holds_file(b.obj):
+            return
+        etag = b.obj.etag
+        path = self.router.cache.hand_over(b.obj)
+        b.lf = self.local.adopt(inode.key, inode.attrs, path, inode.size, etag)
+        b.obj = None
+        for other in self.handles.values():
+            if other.inode is inode and other.lf is None:
+                other.lf = b.lf  # open on it already: it is not evicted under them
+                self.local.opened(b.lf, False)
+
+    def _unback(self, h: FileHandle) -> None:
+        """A handle is released: its share of the backing file, or of the daemon's opens."""
+        inode = h.inode
+        if not h.backed:
+            inode.daemon_opens -= 1
+            return
+        b = inode.backed
+        assert b is not None
+        b.opens -= 1
+        if b.opens == 0:
+            inode.backed = None
+            if b.obj is not None:
+                self.router.cache.unhold(b.obj)
+            self.passthrough.release(b)
+
+    def flushes(self, fh: int) -> bool:
+        """Whether a close(2) of this handle may have anything to make durable: not a
+        read-only one of a file with no working copy here."""
+        h = self.handle(fh)
+        return h.writable or h.lf is not None
 
     async def create(self, parent_ino: int, name: bytes | str, mode: int, flags: int,
-                     uid: int, gid: int) -> tuple[int, Attr]:
+                     uid: int, gid: int) -> tuple[int, Attr, int]:
         self._writable()
         parent = self._dir(parent_ino)
         name = _name(name)
@@ -1189,14 +1413,22 @@ class Filesystem:
         if e is None:
             self.local.mark_dirty(lf)  # the working copy is the only record: it must upload
         inode = self._inode_for(key, e, False)
+        if inode.backed is not None or inode.daemon_opens:
+            # Created anew under a name whose old file is still open here (a race with
+            # another node's create): the open handles keep that inode.
+            inode = self._new_inode(key, attrs.mode)
+            if e is not None:
+                self._show(inode, e)
         inode.set_attrs(attrs)
         inode.meta_loaded = True
         inode.lookups += 1
         inode.kernel_gen = inode.content_gen
         self._add_child(parent, name, inode)
         self.local.opened(lf, True)
-        fh = self._new_handle(FileHandle(inode, True, EMPTY, lf))
-        return fh, self.attr(inode)
+        h = FileHandle(inode, True, EMPTY, lf)
+        backing_id = self._pass_through(h)
+        fh = self._new_handle(h)
+        return fh, self.attr(inode), backing_id
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         """Bytes at `offset` of an open file, to be used before the caller next awaits
@@ -1204,8 +1436,11 @@ class Filesystem:
         h = self.handle(fh)
         lf = h.lf or self._working_copy_of(h.inode)  # written on this node: read that
         if lf is not None:
-            return await self.local.read(lf, offset, size)
-        return await h.source.read(offset, size)
+            data = await self.local.read(lf, offset, size)
+        else:
+            data = await h.source.read(offset, size)
+        self.passthrough.read_bytes += len(data)
+        return data
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         h = self.handle(fh)
@@ -1215,11 +1450,14 @@ class Filesystem:
         if h.lf is None:
             h.lf = await self._working_copy(h.inode)
             self.local.opened(h.lf, True)
+        self.passthrough.written_bytes += len(data)
         return await self.local.write(h.lf, offset, data)
 
     async def flush(self, fh: int) -> None:
         """close(): what the handle wrote becomes durable (the close-to-open point)."""
         h = self.handle(fh)
+        if h.backed and h.lf is not None:
+            self.local.observe(h.lf)
         if h.lf is not None and h.lf.dirty and not h.lf.removed:
             e = await self.backend.close(h.inode.key, h.lf)
             if e is not None:
@@ -1228,6 +1466,8 @@ class Filesystem:
     async def fsync(self, fh: int) -> None:
         h = self.handle(fh)
         lf = h.lf or self._working_copy_of(h.inode)
+        if lf is not None:
+            self.local.observe(lf)
         if lf is None or not lf.dirty or lf.removed:
             return
         got = await self.backend.fsync(h.inode.key, lf)
@@ -1236,11 +1476,25 @@ class Filesystem:
         elif isinstance(got, ObjectRef) and not h.inode.detached:
             self._stored_in_s3(h.inode, got, lf.attrs)
 
+    def release_now(self, fh: int) -> bool:
+        """Release a handle with nothing to make durable at once; False if `release`
+        has to (a working copy: it may have to be committed)."""
+        h = self.handles.get(fh)
+        if h is not None and h.lf is not None:
+            return False
+        if h is not None:
+            del self.handles[fh]
+            self._unback(h)
+        return True
+
     async def release(self, fh: int) -> None:
-        h = self.handles.pop(fh, None)
-        if h is None or h.lf is None:
+        if self.release_now(fh):
             return
+        h = self.handles.pop(fh)
+        self._unback(h)
         lf = h.lf
+        if h.backed and h.writable:
+            self.local.bypass_closed(lf)
         if h.writable and lf.dirty and not lf.removed:
             # Written after the last flush (a dup'ed descriptor, mmap write-back).
             try:
@@ -1354,8 +1608,8 @@ class Filesystem:
         convention); a regular file: an empty file."""
         kind = stat.S_IFMT(mode) or stat.S_IFREG
         if kind == stat.S_IFREG:
-            fh, attr = await self.create(parent_ino, name, mode & 0o7777,
-                                         os.O_WRONLY | os.O_EXCL, uid, gid)
+            fh, attr, _ = await self.create(parent_ino, name, mode & 0o7777,
+                                            os.O_WRONLY | os.O_EXCL, uid, gid)
             try:
                 await self.flush(fh)
             finally:
@@ -1533,6 +1787,11 @@ class Filesystem:
                 continue
             if ch.ours:
                 continue  # our own change: the call that made it updated us already
+            lf = self.local.by_key.get(k)
+            if lf is not None and not lf.dirty and lf.opens == 0:
+                # A closed working copy kept here (watched for writes through a mapping)
+                # is older than what another node committed: it no longer shows the file.
+                self.local.remove(lf)
             if ch.entry is None:
                 if is_dir and self.backend.live_under(ch.key):
                     continue  # the marker goes; the directory (with children) stays
@@ -1568,7 +1827,7 @@ class Filesystem:
         name = inode.key.rpartition("/")[2]
         self._forget_child(inode)
         if pino is not None:
-            self.notify.entry(pino, name)
+            self.notify.delete(pino, inode.ino, name)
             parent = self.inodes.get(pino)
             if parent is not None:
                 parent.changed()
@@ -1595,6 +1854,7 @@ class Filesystem:
 
     async def _commit_open_files(self, scope: FlushScope) -> None:
         """What files still open here wrote becomes durable (before a flush or drain)."""
+        self.local.observe_all()
         async def one(h: FileHandle) -> None:
             assert h.lf is not None
             e = await self.backend.close(h.inode.key, h.lf)

@@ -105,10 +105,13 @@ class BlobSource:
 
 @dataclass(slots=True)
 class FileHandle:
-    """An open file: its inode, whether it may write, where its bytes come from, and the
-    working copy it writes (made on the first write or O_TRUNC)."""
+    """An open file: its inode, whether it may write, where its bytes come from, the
+    working copy it writes (made on the first write or O_TRUNC), and whether the kernel
+    serves it from the inode's backing file (passthrough: its reads and writes never
+    reach us)."""
 
     inode: Inode
     writable: bool
     source: Source
     lf: LocalFile | None = None
+    backed: bool = False

@@ -5,8 +5,12 @@ from __future__ import annotations
 import stat
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from objcache.entries import Attrs, DirEntry, FileEntry
+
+if TYPE_CHECKING:
+    from objcache.core.passthrough import Backed
 
 ROOT_INO = 1
 CTRL_INO = 0xFFFF_FFFF  # the control file; far above any inode number we hand out
@@ -48,13 +52,18 @@ class Inode:
         cluster and not written back yet), if any.
     content_gen: bumped when the content changed under us; opens compare it to decide
         whether the kernel may keep its page cache.
+    backed: the backing file of its passthrough opens, while it has some.
+    daemon_opens: its opens served by the daemon (the kernel allows no mix of the two).
+    kernel_listing: a directory's listing as the kernel was last given it (a hash of its
+        (name, inode) pairs): while unchanged, the kernel's cached copy is current.
     """
 
     __slots__ = ("ino", "key", "mode", "size", "uid", "gid", "mtime_ns", "atime_ns",
                  "ctime_ns", "rdev", "etag",
                  "meta_loaded", "checked", "lookups", "children", "listed", "target",
                  "in_s3", "content_gen", "kernel_gen", "created", "stale_lookups", "overlay",
-                 "read_children", "modified")
+                 "read_children", "modified", "backed", "daemon_opens",
+                 "kernel_listing")
 
     def __init__(self, ino: int, key: str, mode: int, uid: int, gid: int) -> None:
         self.ino = ino
@@ -82,6 +91,9 @@ class Inode:
         self.kernel_gen = -1
         self.created = 0.0
         self.overlay: FileEntry | DirEntry | None = None
+        self.backed: Backed | None = None
+        self.daemon_opens = 0
+        self.kernel_listing: int | None = None
 
     @property
     def is_dir(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -128,6 +129,37 @@ def _meta_args(metadata: dict[str, str] | None) -> dict[str, Any]:
     return {"Metadata": metadata} if metadata else {}
 
 
+BACKGROUND_NICE = 10
+
+
+_renice = [True]  # cleared when a thread cannot get its priority back (no CAP_SYS_NICE)
+
+
+def _in_the_background(fn: Callable[[], T]) -> Callable[[], T]:
+    """`fn` run by its worker thread at nice BACKGROUND_NICE, then at its own priority
+    again (the thread serves others after: readers' downloads among them)."""
+
+    def run() -> T:
+        if not _renice[0]:
+            return fn()
+        tid = threading.get_native_id()
+        try:
+            old = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, max(old, BACKGROUND_NICE))
+        except OSError:
+            return fn()
+        try:
+            return fn()
+        finally:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, old)
+            except OSError as e:
+                _renice[0] = False  # one nice thread; uploads run at normal priority now
+                log.info("uploads run at normal priority (%s)", e.strerror)
+
+    return run
+
+
 class S3Store:
     """`ObjectStore` over one bucket and prefix."""
 
@@ -172,7 +204,11 @@ class S3Store:
 
     async def _call(self, op: str, key: str, fn: Callable[[], T],
                     limiter: trio.CapacityLimiter) -> T:
-        """Run `fn` in a thread; retry transient failures with jittered backoff."""
+        """Run `fn` in a thread; retry transient failures with jittered backoff. Uploads
+        (write-back: nobody waits on them but a flush) run at a lower CPU priority, so
+        that on a busy node the application writing the next checkpoint comes first."""
+        if limiter is self.put_limiter:
+            fn = _in_the_background(fn)
         return await self._retry(op, key,
                                  lambda: trio.to_thread.run_sync(fn, limiter=limiter))
 

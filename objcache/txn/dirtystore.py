@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -38,6 +39,24 @@ STAGE_IDLE = 600.0  # seconds a stage may go without growing before it is droppe
 
 # (offset, buffer): fill the buffer with the blob's bytes from `offset`, read from a holder
 Reader = Callable[[int, memoryview], Awaitable[None]]
+
+
+FICLONE = 0x40049409  # _IOW(0x94, 9, int)
+
+
+def _copy(src: str, dst: str, size: int) -> None:
+    with open(src, "rb") as f, open(dst, "wb") as g:
+        try:
+            fcntl.ioctl(g.fileno(), FICLONE, f.fileno())
+            return
+        except OSError:
+            pass  # (no reflinks here, ext4 for one)
+        off = 0
+        while off < size:
+            n = os.copy_file_range(f.fileno(), g.fileno(), size - off)
+            if n == 0:
+                raise OSError(errno.EIO, f"{src} is shorter than {size} bytes")
+            off += n
 
 
 @dataclass(slots=True)
@@ -107,6 +126,20 @@ class DirtyStore:
         """Make the working copy's current content blob `cid` (a hard link: no copy)."""
         os.link(working_copy, self.path(cid))
         self._add(cid, size)
+
+    async def seal_copy(self, cid: str, working_copy: str, size: int) -> None:
+        """Make a copy of the working copy's current content blob `cid` (for a file the
+        kernel writes without us, passthrough: a hard link would let its later writes
+        change the blob). A reflink where the file system has them, else an in-kernel
+        copy, in a worker thread."""
+        dst = self.path(cid)
+        await trio.to_thread.run_sync(_copy, working_copy, dst, size)
+        try:
+            self._add(cid, size)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(dst)
+            raise
 
     def _add(self, cid: str, size: int) -> None:
         if not self._charge(size):

@@ -288,12 +288,12 @@ class Posix:
 
     async def create(self, path: str, mode: int = 0o644, flags: int = os.O_WRONLY) -> int:
         pino, name = await self._parent(path)
-        fh, _ = await self.fs.create(pino, name, mode, flags | os.O_CREAT, self.uid,
+        fh, _, _ = await self.fs.create(pino, name, mode, flags | os.O_CREAT, self.uid,
                                      self.gid)
         return fh
 
     async def open(self, path: str, flags: int = os.O_RDONLY) -> int:
-        fh, _ = await self.fs.open(await self.ino(path), flags)
+        fh, _, _ = await self.fs.open(await self.ino(path), flags)
         return fh
 
     async def close(self, fh: int) -> None:

@@ -13,9 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from objcache.fs.operations import mount_device
+from objcache.fs.mounting import mount_device
 from objcache.fs.watchdog import abort_connection
 from tests.helpers.seaweed import ACCESS_KEY, SECRET_KEY
+
+# OBJCACHE_TEST_PASSTHROUGH=0 runs every mount of the suite with --no-passthrough (the
+# daemon serves every read and write), so the whole suite can be run in both modes.
+SUITE_FLAGS = (("--no-passthrough",) if os.environ.get("OBJCACHE_TEST_PASSTHROUGH") == "0"
+               else ())
 
 
 def env(access: str = ACCESS_KEY, secret: str = SECRET_KEY) -> dict[str, str]:
@@ -58,7 +63,7 @@ class Mount:
     def __init__(self, endpoint: str, bucket: str, mnt: Path, cache: Path,
                  *extra: str, environ: dict[str, str] | None = None) -> None:
         self.endpoint, self.bucket, self.mnt, self.cache = endpoint, bucket, mnt, cache
-        self.extra = extra
+        self.extra = extra if "--no-passthrough" in extra else extra + SUITE_FLAGS
         self.environ = environ
         self.proc: subprocess.Popen[bytes] | None = None
         mnt.mkdir(parents=True, exist_ok=True)
@@ -125,7 +130,7 @@ class Mount:
         return [line for line in text.splitlines() if " ERROR " in line or "Traceback" in line]
 
 
-def stop_all(mounts: list[Mount], grace: float = 5.0) -> None:
+def stop_all(mounts: list[Mount], grace: float = 1.0) -> None:
     """Tear mounts down at once, and briefly: a test's own assertions are done by now, and
     daemons of a cluster stopped together cannot leave it gracefully (each waits for a
     quorum of the others, which are leaving too); tests of draining and SIGTERM stop their

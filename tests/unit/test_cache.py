@@ -112,10 +112,10 @@ async def test_a_corrupt_cache_file_is_fetched_again(tmp_path):  # type: ignore
         await chunks.cache.ensure("k", etag, CS, 0)
         ch = chunks.cache.cached("k", etag, 0)
         assert ch is not None
-    fd = os.open(ch.path, os.O_RDWR)  # one flipped byte in the middle of the file
+    fd = os.open(ch.path, os.O_RDWR)  # one flipped byte in the middle of the chunk
     try:
-        b = os.pread(fd, 1, CS // 2)
-        os.pwrite(fd, bytes([b[0] ^ 0xFF]), CS // 2)
+        b = os.pread(fd, 1, ch.offset + CS // 2)
+        os.pwrite(fd, bytes([b[0] ^ 0xFF]), ch.offset + CS // 2)
     finally:
         os.close(fd)
     db.close()

@@ -111,7 +111,7 @@ async def test_files_being_read_cost_one_get_each(env) -> None:  # type: ignore
     store.calls.clear()
     for i in range(50):
         attr = await fs.lookup(d, f"{i:05d}")
-        fh, _ = await fs.open(attr.ino, os.O_RDONLY)
+        fh, _, _ = await fs.open(attr.ino, os.O_RDONLY)
         assert await fs.read(fh, 0, 1 << 20) == f"file {i}".encode() * 100
         await fs.release(fh)
     assert store.calls["head"] <= 1  # the first lookup, before any file was opened
