@@ -108,6 +108,10 @@ MAX_SWEEPS = 4096  # directories whose stats are being followed
 # prefetched (once META_WASTE_MIN were), no new prefetch starts.
 META_WASTE_SHARE = 0.25
 META_WASTE_MIN = 256
+# A pause lasts this long, then the tallies start over: a pause that only a prefetch could
+# end never ended (one 10,000-entry cold `ls -l` on a WAN-like S3 took 272 s, one round
+# trip per entry, against 6 s).
+META_WASTE_PAUSE = 30.0
 # How often files written through passthrough are looked at (their size and times: the
 # kernel tells us nothing of those writes; streaming write-back follows the size).
 BYPASS_LOOK = 0.2
@@ -272,6 +276,7 @@ class Filesystem:
         self._sweeps: dict[int, _Sweep] = {}  # by directory inode
         self._prefetched = 0  # HEADs made ahead of stats (decayed)
         self._prefetch_wasted = 0  # of those, the ones no stat asked for
+        self._prefetch_paused: float | None = None  # since when the waste pauses it
         self._making: dict[str, trio.Event] = {}  # working copies being made, by key
         # When names were removed (monotonic), so that a LIST that read S3 before a
         # removal does not bring the name back; kept for REMOVED_MEMORY seconds.
@@ -669,13 +674,31 @@ class Filesystem:
         name = inode.key.rpartition("/")[2]
         if sweep.saw(name) < META_PREFETCH_AFTER:
             return
-        if (self._prefetched >= META_WASTE_MIN
-                and self._prefetch_wasted > META_WASTE_SHARE * self._prefetched):
+        if self._prefetch_wasteful():
             return  # prefetching has mostly fetched what nobody asked for: not now
         del self._sweeps[parent.ino]
         pf = _MetaPrefetch(parent, name)
         self._meta_prefetching[parent.ino] = pf
         self._background.start_soon(self._prefetch_meta, pf)
+
+    def _prefetch_wasteful(self) -> bool:
+        """Whether prefetching lately fetched mostly what no stat asked for; for at most
+        META_WASTE_PAUSE, then it is tried again."""
+        if not (self._prefetched >= META_WASTE_MIN
+                and self._prefetch_wasted > META_WASTE_SHARE * self._prefetched):
+            self._prefetch_paused = None
+            return False
+        now = time.monotonic()
+        if self._prefetch_paused is None:
+            self._prefetch_paused = now
+            log.info("metadata prefetch paused for %.0fs: %d of the last %d HEADs made ahead "
+                     "of stats were not asked for", META_WASTE_PAUSE, self._prefetch_wasted,
+                     self._prefetched)
+        if now - self._prefetch_paused < META_WASTE_PAUSE:
+            return True
+        self._prefetched = self._prefetch_wasted = 0
+        self._prefetch_paused = None
+        return False
 
     async def _prefetch_meta(self, pf: _MetaPrefetch) -> None:
         d, children = pf.dir, pf.children

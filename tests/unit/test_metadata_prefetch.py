@@ -22,6 +22,7 @@ from objcache.cache.quarantine import Quarantine
 from objcache.cache.router import ChunkRouter
 from objcache.cache.statedb import StateDB
 from objcache.config import MountConfig
+from objcache.core import filesystem
 from objcache.core.filesystem import (
     META_PREFETCH,
     META_PREFETCH_WINDOW,
@@ -164,3 +165,23 @@ async def test_a_failing_prefetch_is_logged_and_the_stats_still_answer(
     await trio.sleep(0.2)
     assert "metadata prefetch in 'd' failed" in caplog.text
     assert store.calls["head"] == 40  # each stat asked for itself
+
+
+async def test_a_pause_for_waste_ends(env, monkeypatch) -> None:  # type: ignore
+    """Prefetching that fetched mostly what nobody asked for pauses; the pause ends after
+    META_WASTE_PAUSE even if nothing was prefetched since (it never did: a cold `ls -l` of
+    10,000 entries on a WAN-like S3 then paid one round trip per entry, 272 s)."""
+    fs, store = env
+    monkeypatch.setattr(filesystem, "META_WASTE_PAUSE", 0.3, raising=False)
+    fs._prefetched, fs._prefetch_wasted = 1000, 900  # an earlier, wasteful sweep
+    d = await _listed_dir(fs)
+    store.calls.clear()
+    for i in range(20):
+        await fs.lookup(d, f"{i:05d}")
+    await trio.sleep(0.2)
+    assert store.calls["head"] == 20  # paused: one HEAD per stat, none ahead
+    await trio.sleep(0.2)
+    for i in range(20, 40):
+        await fs.lookup(d, f"{i:05d}")
+    await trio.sleep(0.3)
+    assert store.calls["head"] >= 40 + META_PREFETCH  # going ahead of the stats again
