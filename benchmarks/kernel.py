@@ -20,7 +20,11 @@ daemon process (/proc/PID/stat) over the timed part; FUSE requests are the diffe
 itself costs (none for "before": it has no such section).
 
 1. Warm read of a SIZE object (every chunk cached on disk, page cache dropped), 1 MiB
-   read() calls: GB/s, and the ratio to reading the same bytes from a local file.
+   read() calls: GB/s, and the ratio to reading the same bytes from a local file. The
+   control: the cache's own file of the object read the same way without FUSE, after each
+   pair. (The local twins of figures 1, 2 and 5 are copied right after the cache was
+   filled, so that both sides were written as recently: this VM's host reads freshly
+   written files up to 2x slower for a minute or more.)
 2. Warm safetensors load of a SIZE model (benchmarks.reads.make_model/load_seconds: a fresh
    process, page cache dropped) against the same load of a local copy.
 3. `torch.save` of SIZE (benchmarks.writes.save, a fresh process) into a 1-node mount, three
@@ -161,11 +165,16 @@ REPS = 5  # pairs of (local twin, objcache) per figure: this machine varies 2x a
 
 
 def next_to(local: Callable[[], float], m: Mount, fn: Callable[[], float],
-            less: dict[str, Any] | None) -> dict[str, Any]:
+            less: dict[str, Any] | None,
+            direct: Callable[[], float] | None = None) -> dict[str, Any]:
     """REPS pairs of the local twin and the objcache figure, in alternating order, the page
     cache dropped before each: the medians ("s", "local_s", "cpu_s"), the median of the
-    pairs' ratios ("ratio"), every pair ("pairs"), and the last one's FUSE requests."""
+    pairs' ratios ("ratio"), every pair ("pairs"), and the last one's FUSE requests.
+    `direct`: the same work on the cache's own file without FUSE, after each pair (the
+    control: what the disk gives that file); its median over the pair's local twin is
+    "direct_ratio"."""
     pairs: list[tuple[float, dict[str, Any]]] = []
+    directs: list[float] = []
     local()  # once untimed, as the cached file was read once: both come from the same
     # places then (this VM's disk is itself cached by the host)
     for i in range(REPS):
@@ -177,7 +186,16 @@ def next_to(local: Callable[[], float], m: Mount, fn: Callable[[], float],
             drop_page_cache()
             theirs = local()
             pairs.append((theirs, watched(m, fn, less, drop=True)))
-    return {"s": statistics.median(w["s"] for _, w in pairs),
+        if direct is not None:
+            drop_page_cache()
+            directs.append(direct())
+    more: dict[str, Any] = {}
+    if directs:
+        more = {"direct_s": statistics.median(directs),
+                "direct_ratio": statistics.median(
+                    d / t for d, (t, _) in zip(directs, pairs, strict=True)),
+                "directs": [round(d, 3) for d in directs]}
+    return {**more, "s": statistics.median(w["s"] for _, w in pairs),
             "local_s": statistics.median(t for t, _ in pairs),
             "cpu_s": statistics.median(w["cpu_s"] for _, w in pairs),
             "ratio": statistics.median(w["s"] / t for t, w in pairs),
@@ -314,12 +332,21 @@ def reads(b: Bench, column: str) -> dict[str, Any]:
         r["fuse_mode"] = st["fuse"]["mode"] if "fuse" in st else "no fuse status (older)"
         less = status_cost(m)
         r["status_requests"] = less["requests"] if less else None
-        r["read"] = next_to(partial(read_file, b.local / "big.bin.src"), m,
-                            partial(read_file, mnt / "big.bin"), less)
-        r["load"] = next_to(partial(load_seconds, b.local / MODEL), m,
-                            partial(load_seconds, mnt / MODEL), less)
-        r["small"] = next_to(partial(read_tree, small, b.names), m,
-                             partial(read_tree, mnt / "small", b.names), less)
+        # The twins are copied now, as the cache's files were just written: this VM's
+        # host reads recently written files up to 2x slower than old ones, for a minute
+        # or more, with or without FUSE (docs/benchmarks.md, "the disk under the VM").
+        twins = fresh_twins(b, column)
+        try:
+            cached = cache_file(m, b.size)
+            r["read"] = next_to(partial(read_file, twins / "big.bin"), m,
+                                partial(read_file, mnt / "big.bin"), less,
+                                direct=partial(read_file, cached) if cached else None)
+            r["load"] = next_to(partial(load_seconds, twins / MODEL), m,
+                                partial(load_seconds, mnt / MODEL), less)
+            r["small"] = next_to(partial(read_tree, twins / "small", b.names), m,
+                                 partial(read_tree, mnt / "small", b.names), less)
+        finally:
+            shutil.rmtree(twins, ignore_errors=True)
         stat_seconds(mnt / "small", b.names)  # their attributes cached again
         r["stat"] = watched(m, partial(stat_seconds, mnt / "small", b.names), less, False)
         stat_seconds(small, b.names)
@@ -332,6 +359,26 @@ def reads(b: Bench, column: str) -> dict[str, Any]:
                    "runs": [round(f["s"], 3) for f in runs]}
         r["rss_mb"] = peak_rss_mb(m.proc.pid)
     return r
+
+
+def fresh_twins(b: Bench, column: str) -> Path:
+    """Copies of the local twins (the object, the model, the small files), written now."""
+    twins = b.work / f"twins-{column}"
+    twins.mkdir()
+    shutil.copyfile(b.local / "big.bin.src", twins / "big.bin")
+    shutil.copyfile(b.local / MODEL, twins / MODEL)
+    shutil.copytree(b.local / "small", twins / "small")
+    os.sync()
+    return twins
+
+
+def cache_file(m: Mount, size: int) -> Path | None:
+    """The cache's file of figure 1's object (one sparse file per object version:
+    objects/XX/ID), for reading it without FUSE; None in another layout ("before")."""
+    for f in (m.cache / "objects").glob("*/*"):
+        if f.is_file() and f.stat().st_size == size:
+            return f
+    return None
 
 
 def s3fs_ls(b: Bench) -> dict[str, Any]:
@@ -539,6 +586,12 @@ def _speed(f: dict[str, Any] | None, amount: float, digits: int = 2) -> tuple[st
             f"{amount / f['s']:,.{digits}f} ({1 / _ratio(f):.2f}x)")
 
 
+def _direct(f: dict[str, Any] | None, amount: float) -> tuple[str, str]:
+    if not f or "direct_s" not in f:
+        return "", "-"
+    return "", f"{amount / f['direct_s']:,.2f} ({1 / f['direct_ratio']:.2f}x)"
+
+
 def _time(f: dict[str, Any] | None) -> tuple[str, str]:
     if not f:
         return "", "-"
@@ -615,6 +668,8 @@ def report(res: dict[str, Any]) -> list[str]:
         rows: list[tuple[str, Callable[..., tuple[str, str]], tuple[Any, ...]]] = [
             (f"1. warm read of {big}, page cache dropped: GB/s (x local's speed)",
              partial(_speed, amount=gb), ("reads", "read")),
+            ("   the cache's file of it read without FUSE: GB/s (x local's speed)",
+             partial(_direct, amount=gb), ("reads", "read")),
             ("   daemon CPU s / FUSE requests during it", _cost, ("reads", "read")),
             (f"2. warm safetensors load of {big}: s (x local's time)", _time,
              ("reads", "load")),
