@@ -46,7 +46,7 @@ class ControlHandlers:
     async def __call__(self, req: dict[str, Any], uid: int) -> dict[str, Any]:
         op = req.get("op")
         if op == "status":
-            return await self.status.status()
+            return await self.status.status(local=bool(req.get("local")))
         if op == "resolve":
             return self.resolve(int(req["ino"]))
         if op == "list":

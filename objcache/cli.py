@@ -51,6 +51,8 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
                            "kept here (default: a tenth of --cache-size)"}),
     ("--raft-port", {"metavar": "PORT", "help": "this node's Raft port (default: the "
                      "--listen port + 1)"}),
+    ("--raft-voters", {"metavar": "N", "type": int, "help": "members that vote in Raft; "
+                       "the others follow the log without voting (default 5)"}),
     ("--peer-timeout", {"metavar": "SECONDS", "help": "take a silent peer off the ring "
                         "after this long (default 5)"}),
     ("--replicas", {"metavar": "N", "type": int, "help": "nodes holding each closed, not "
@@ -137,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="cache and write-back state of a mount")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--local", action="store_true",
+                   help="this node only: ask no other member for its row")
     return p
 
 
@@ -347,7 +351,7 @@ def _size(n: int | None) -> str:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    st = control.request(args.mountpoint, {"op": "status"})
+    st = control.request(args.mountpoint, {"op": "status", "local": args.local})
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True))
         return 0
@@ -387,9 +391,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
                   f"{ns.get('s3_requests', '-')}/{ns.get('s3_errors', '-'):<5}")
         r = cl.get("raft")
         if r:
-            print(f"  raft: {r['role']}, term {r['term']}, commit index {r['commit_index']}, "
-                  f"apply lag {r['apply_lag']}, leader {r['leader'] or '-'}, "
-                  f"{len(r['members'])} members")
+            source = f" (following {r['source']})" if r.get("source") else ""
+            print(f"  raft: {r['role']}{source}, term {r['term']}, commit index "
+                  f"{r['commit_index']}, apply lag {r['apply_lag']}, leader "
+                  f"{r['leader'] or '-'}, {len(r['members'])} voters")
         else:
             print("  raft: starting")
     return 0

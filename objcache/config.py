@@ -85,6 +85,8 @@ class MountConfig:
     near_cache_size: int | None = None  # default: a tenth of cache_size
     peer_timeout: float = 5.0
     raft_port: int | None = None  # default: the --listen port + 1
+    # Members that vote in Raft; the others follow the log as learners (issue 28).
+    raft_voters: int = 5
     metrics_addr: str | None = None  # HOST:PORT for Prometheus /metrics
     recover_mount: bool = False  # detach a dead mount left at the mountpoint by a crash
     # Serve opens whose bytes are all on this node through the kernel (FUSE passthrough):
@@ -138,6 +140,8 @@ class MountConfig:
             for peer in (self.peers or "").split(","):
                 if peer.strip() and not re.match(r"^\S+:\d{1,5}$", peer.strip()):
                     raise UserError(f"invalid peer address {peer.strip()!r}: expected HOST:PORT")
+        if not 1 <= self.raft_voters <= 15:
+            raise UserError("invalid raft-voters: expected 1..15 (odd numbers: 3 or 5)")
         if not 1 <= self.replicas <= 5:
             raise UserError("invalid replicas: expected 1..5 copies of each dirty file")
         if self.txn_timeout < 1:
@@ -163,7 +167,7 @@ _SIZE_KEYS = {"cache_size", "chunk_size", "readahead", "near_cache_size"}
 _DURATION_KEYS = {"writeback_delay", "metadata_ttl", "s3_retry_seconds", "peer_timeout",
                   "txn_timeout", "catch_up_seconds"}
 _BOOL_KEYS = {"foreground", "read_only", "allow_other", "recover_mount", "no_passthrough"}
-_INT_KEYS = {"s3_concurrency", "replicas"}
+_INT_KEYS = {"s3_concurrency", "replicas", "raft_voters"}
 
 
 def parse_source(source: str) -> tuple[str, str]:

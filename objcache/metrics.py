@@ -180,14 +180,19 @@ def _cluster(c: ClusterSnapshot) -> Iterator[Metric]:
     if raft is not None:
         yield _by(GaugeMetricFamily("objcache_raft_role", "1 for this node's Raft role",
                                     labels=["role"]),
-                  {r: float(raft["role"] == r) for r in ("leader", "follower", "candidate")})
+                  {r: float(raft["role"] == r)
+                   for r in ("leader", "follower", "candidate", "learner")})
         yield _gauge("objcache_raft_term", "Raft term", raft["term"] or 0)
         yield _gauge("objcache_raft_commit_index", "Raft commit index",
                      raft["commit_index"] or 0)
         yield _gauge("objcache_raft_apply_lag", "Committed Raft entries not applied yet",
                      raft["apply_lag"])
-        yield _gauge("objcache_raft_members", "Members of the Raft group",
+        yield _gauge("objcache_raft_members", "Voters of the Raft group",
                      len(raft["members"]))
+        yield _counter("objcache_raft_batches", "Log entries this node sent commands in",
+                       raft.get("batches") or 0)
+        yield _counter("objcache_raft_batched_commands", "Commands this node sent in those "
+                       "entries", raft.get("batched_commands") or 0)
 
 
 def serve(addr: str, snapshot: Callable[[], Snapshot]) -> Any:

@@ -36,7 +36,8 @@ class ClusterStatus(Protocol):
 
     is_member: bool
 
-    async def status(self, own_row: dict[str, Any]) -> dict[str, Any] | None: ...
+    async def status(self, own_row: dict[str, Any], local: bool = False
+                     ) -> dict[str, Any] | None: ...
 
     def snapshot(self, peer_fallbacks: int, served: int) -> ClusterSnapshot | None: ...
 
@@ -57,7 +58,8 @@ class NoFuse:
 class NoCluster:
     is_member = False
 
-    async def status(self, own_row: dict[str, Any]) -> dict[str, Any] | None:
+    async def status(self, own_row: dict[str, Any], local: bool = False
+                     ) -> dict[str, Any] | None:
         return None
 
     def snapshot(self, peer_fallbacks: int, served: int) -> ClusterSnapshot | None:
@@ -69,7 +71,8 @@ class NoCluster:
 
 class MemberStatus:
     """A cluster member's part of status: members, ring, peers, Raft, and every member's
-    own row (asked with a `stats` request)."""
+    own row (asked with a `stats` request; `local` asks nobody: one request per member is
+    too many to poll at hundreds of nodes)."""
 
     is_member = True
 
@@ -77,9 +80,10 @@ class MemberStatus:
         self.node = node
         self.server = server
 
-    async def status(self, own_row: dict[str, Any]) -> dict[str, Any] | None:
+    async def status(self, own_row: dict[str, Any], local: bool = False
+                     ) -> dict[str, Any] | None:
         st = self.node.status(self.server)
-        replies = await self.node.client.broadcast({"op": "stats"})
+        replies = {} if local else await self.node.client.broadcast({"op": "stats"})
         rows = {self.node.node_id: own_row}
         for node, reply in replies.items():
             stats = reply.get("stats") if reply else None
@@ -148,7 +152,7 @@ class NodeStatus:
         self.prefetch = PrefetchTotals()
         self.started = time.time()
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self, local: bool = False) -> dict[str, Any]:
         c, st = self.cache, self.cache.stats
         wb = self.backend.stats()
         return {
@@ -184,7 +188,7 @@ class NodeStatus:
                           "stream_fallbacks": wb.stream_fallbacks},
             "s3": self.store.stats.as_dict(),
             "fuse": self.fuse.fuse(),
-            "cluster": await self.cluster.status(self.rows.row()),
+            "cluster": await self.cluster.status(self.rows.row(), local),
         }
 
     def snapshot(self) -> Snapshot:

@@ -1,24 +1,45 @@
 """Cluster membership: who is in the cluster, who is alive, and the ring over them.
 
-Each node knows every member directly (GPU clusters are tens to hundreds of nodes, so an
-all-to-all heartbeat every second is cheap) and decides liveness from its own contacts:
-a member that has not answered for `timeout` seconds is taken off the ring; one that
-answers again is put back. Requests that fail mark the member suspect at once, so reads
-skip it (to the next node on the ring, which is who will own its chunks once it is gone)
-without waiting for the timeout. Gossip in the heartbeats spreads news of members, but
-only a direct answer makes a member alive, so a dead node is never revived by hearsay.
+Failure detection is SWIM-style (Das, Gupta, Motivala 2002, with Lifeguard's refutation),
+so that its cost per node does not grow with the cluster: every protocol period
+(`interval`, a quarter of --peer-timeout, at most 1 s) a node probes ONE member, taking
+them in a shuffled round-robin order, with a `ping`. If no answer comes within half a
+period, it asks up to `INDIRECT` other members to probe it (`ping_req`), which tells a dead
+member from a lost path. A member neither answers is *suspect*: this node routes around it
+at once (requests waiting on it are cancelled and fall back to S3), and says so in gossip.
+A suspect that does not refute the suspicion within half of --peer-timeout is *dead*: taken
+off the ring, and said so in gossip. Each node sends about two messages per period (its
+probe and the answer to the one probe it receives on average), however many members there
+are; an all-to-all heartbeat costs N-1 of each per node and N^2 in the cluster.
 
-Members are identified by node id and incarnation (the start time of the daemon): a
-restarted node replaces its old self, and a node that left is not re-added by stale gossip.
+Gossip rides on those messages: every ping, answer and join carries up to
+`PIGGYBACK` recent updates (a member alive, suspect, dead or gone, with its record), each
+sent about 3 log2(N) times, so news reaches every node in O(log N) periods. Updates are
+ordered by a member's version (incarnation = start time, then a sequence number only the
+member itself raises): news of a member at an older version is ignored, so a dead node is
+never revived by hearsay; a member that hears itself suspected or declared dead raises
+its sequence and gossips that it is alive (it refutes). A direct answer always counts: a
+member that answers this node is alive here. Every `SYNC_EVERY` periods a probe also asks
+for the whole view (anti-entropy, for news a node missed, e.g. across a partition).
 
-Views can differ for a heartbeat or two. That is safe here: chunks are immutable (named
-by ETag), any node can serve any chunk, and placement only decides who caches what. The
-Raft-replicated membership of the transaction layer will replace this view.
+A node joins through a seed (`join`, answered with the seed's whole view, tried in random
+order so joins spread over the seeds); with none reachable it forms a new cluster, and
+keeps retrying its seeds every 5 s so clusters started at the same moment merge. A clean
+shutdown sends `leave` to every member, so they re-route at once. Dead members are probed
+again every few periods (one at a time) and come back when they answer; they are forgotten
+after 10 minutes. A request that fails marks its member suspect here at once (routing
+around it) and has it probed first in the next period.
+
+Views can differ for a few periods. That is safe here: chunks are immutable (named by
+ETag), any node can serve any chunk, and placement only decides who caches what; the
+Raft group (objcache.cluster.raftgroup) decides who owns inodes and dirty data.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +58,13 @@ HISTORY_SECONDS = 600.0  # how long a previous owner is asked for chunks after a
 HISTORY_RINGS = 4
 FORGET_DEAD_SECONDS = 600.0
 SEED_RETRY_SECONDS = 5.0
+INDIRECT = 3  # members asked to probe a member that did not answer
+PIGGYBACK = 8  # updates carried by one message
+RETRANSMIT = 3  # an update is sent about RETRANSMIT * log2(N + 1) times
+REVIVE_EVERY = 5  # periods between two probes of a dead member
+SYNC_EVERY = 30  # periods between two requests for a member's whole view
+RING_LOG_SECONDS = 10.0
+KINDS = (ALIVE, "suspect", DEAD, LEFT)
 
 
 @dataclass
@@ -47,40 +75,58 @@ class Member:
     incarnation: int
     used: int = 0
     raft: str = ""  # the node's Raft address
-    raft_n: int = 0  # how many members its Raft group has, as it sees it
+    raft_n: int = 0  # how many voters its Raft group has, as it sees it
+    group: str = ""  # the id of its Raft group
+    seq: int = 0  # raised by the member itself to refute a suspicion or announce a change
     state: str = ALIVE
-    last_ok: float = 0.0  # time.monotonic() of the last direct answer
+    last_ok: float = 0.0  # Membership.clock() of the last sign of life we saw ourselves
     state_since: float = field(default_factory=time.time)
 
     def record(self) -> dict[str, Any]:
         return {"id": self.id, "addr": self.addr, "cap": self.capacity,
                 "inc": self.incarnation, "used": self.used, "raft": self.raft,
-                "raft_n": self.raft_n}
+                "raft_n": self.raft_n, "group": self.group, "seq": self.seq}
+
+    @property
+    def version(self) -> tuple[int, int]:
+        return self.incarnation, self.seq
 
 
 def parse_record(rec: Any) -> Member:
     if not (isinstance(rec, dict) and isinstance(rec.get("id"), str)
             and isinstance(rec.get("addr"), str) and isinstance(rec.get("cap"), int)
             and isinstance(rec.get("inc"), int) and isinstance(rec.get("used", 0), int)
-            and isinstance(rec.get("raft", ""), str) and isinstance(rec.get("raft_n", 0), int)):
+            and isinstance(rec.get("raft", ""), str) and isinstance(rec.get("raft_n", 0), int)
+            and isinstance(rec.get("group", ""), str) and isinstance(rec.get("seq", 0), int)):
         raise PeerError(f"malformed member record {rec!r:.200}")
     return Member(rec["id"], rec["addr"], rec["cap"], rec["inc"], rec.get("used", 0),
-                  rec.get("raft", ""), rec.get("raft_n", 0))
+                  rec.get("raft", ""), rec.get("raft_n", 0), rec.get("group", ""),
+                  rec.get("seq", 0))
 
 
 def _nobody(node: str) -> None:
     pass
 
 
+@dataclass
+class _Update:
+    kind: str
+    rec: dict[str, Any]
+    sent: int = 0
+
+
 class Membership:
     """Attributes:
     on_suspect: called with a node id when it stops answering (cancel what waits on it).
+    probes: pings and indirect probes this node sent (per-node cost, for status).
     """
 
     def __init__(self, me: Member, seeds: list[str], pool: PeerPool, timeout: float,
                  used: Callable[[], int],
-                 on_suspect: Callable[[str], None] = _nobody) -> None:
+                 on_suspect: Callable[[str], None] = _nobody,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.me = me
+        self.clock = clock  # seconds, monotonic (tests run the protocol on trio's clock)
         self.seeds = [s for s in seeds if s != me.addr]
         self.pool = pool
         self.timeout = timeout
@@ -88,12 +134,20 @@ class Membership:
         self._used = used
         self.members: dict[str, Member] = {}
         self.suspects: set[str] = set()
+        self._suspect_since: dict[str, float] = {}
         self.ring = Ring({me.id: me.capacity})
         self.history: list[tuple[float, Ring]] = []
         self.changes = 0
         self.joined_at = 0.0  # when we joined an existing cluster (0: we formed ours)
         self._without_me: tuple[Ring, Ring] | None = None
         self.on_suspect = on_suspect
+        self._updates: dict[str, _Update] = {}  # node id -> the latest news of it to spread
+        self._order: list[str] = []  # probe order (shuffled round-robin)
+        self._urgent: list[str] = []  # members to probe first (a request to them failed)
+        self._advertised: tuple[Any, ...] = ()
+        self.probes = 0
+        self._ring_news = [0, 0]  # members in, out since the last ring line in the log
+        self._ring_logged = -RING_LOG_SECONDS
 
     # -- placement ------------------------------------------------------------------------
 
@@ -111,7 +165,7 @@ class Membership:
         out: list[Member] = []
         current = self.owner(point)
         rings = [r for _, r in reversed(self.history)]
-        if self.joined_at and time.monotonic() - self.joined_at < HISTORY_SECONDS:
+        if self.joined_at and self.clock() - self.joined_at < HISTORY_SECONDS:
             if self._without_me is None or self._without_me[0] is not self.ring:
                 others = {n: c for n, c in self.ring.members.items() if n != self.me.id}
                 self._without_me = (self.ring, Ring(others))
@@ -129,27 +183,148 @@ class Membership:
         return m.addr if m is not None else None
 
     def suspect(self, node: str) -> None:
-        """Route around `node` until it answers a heartbeat again, and give up on the
-        requests still waiting for it."""
+        """Route around `node` until it shows it is alive again, give up on the requests
+        still waiting for it, and probe it first."""
         if node != self.me.id and node not in self.suspects:
             log.info("peer %s is not answering: routing around it until it does", node)
             self.suspects.add(node)
+            self._suspect_since.setdefault(node, self.clock())
+            if node not in self._urgent:
+                self._urgent.append(node)
             self.on_suspect(node)
+
+    def _clear_suspicion(self, node: str) -> None:
+        self.suspects.discard(node)
+        self._suspect_since.pop(node, None)
 
     def _rebuild(self) -> None:
         alive = {m.id: m.capacity for m in self.members.values() if m.state == ALIVE}
         alive[self.me.id] = self.me.capacity
         if alive == self.ring.members:
             return
-        now = time.monotonic()
+        now = self.clock()
         self.history.append((now, self.ring))
         self.history = [(t, r) for t, r in self.history[-HISTORY_RINGS:]
                         if now - t < HISTORY_SECONDS]
+        old = self.ring.members
         self.ring = Ring(alive)
         self.changes += 1
-        log.info("ring changed: %d members (%s)", len(alive), ", ".join(sorted(alive)))
+        self._ring_news[0] += len(alive.keys() - old.keys())
+        self._ring_news[1] += len(old.keys() - alive.keys())
+        log.debug("ring members: %s", ", ".join(sorted(alive)))
+        self._log_ring()
 
-    # -- learning about members ----------------------------------------------------------
+    def _log_ring(self, flush: bool = False) -> None:
+        """Ring changes, at most one line per RING_LOG_SECONDS: a cluster of N forming
+        changes every node's ring N times."""
+        joined, left = self._ring_news
+        if not (joined or left):
+            return
+        now = self.clock()
+        if now - self._ring_logged < RING_LOG_SECONDS and not (
+                flush and now - self._ring_logged >= RING_LOG_SECONDS / 2):
+            return
+        self._ring_logged = now
+        self._ring_news = [0, 0]
+        log.info("ring changed: %d members (%d in, %d out)", len(self.ring), joined, left)
+
+    # -- news ------------------------------------------------------------------------------
+
+    def _spread(self, kind: str, m: Member) -> None:
+        self._updates[m.id] = _Update(kind, m.record())
+
+    def _gossip(self) -> list[list[Any]]:
+        """Up to PIGGYBACK updates, the least sent first; each is dropped once it has been
+        sent RETRANSMIT * log2(N + 1) times."""
+        if not self._updates:
+            return []
+        limit = RETRANSMIT * max(1, math.ceil(math.log2(len(self.members) + 2)))
+        picked = sorted(self._updates.values(), key=lambda u: u.sent)[:PIGGYBACK]
+        out = []
+        for u in picked:
+            u.sent += 1
+            out.append([u.kind, u.rec])
+            if u.sent >= limit:
+                self._updates.pop(u.rec["id"], None)
+        return out
+
+    def _my_record(self) -> dict[str, Any]:
+        self.me.used = self._used()
+        shown = (self.me.raft, self.me.raft_n, self.me.group)
+        if shown != self._advertised:  # a change others route by: raise our version
+            if self._advertised:
+                self.me.seq += 1
+            self._advertised = shown
+            self._spread(ALIVE, self.me)
+        return self.me.record()
+
+    def _refute(self, seq: int) -> None:
+        """Someone says we are suspect or dead at our version: we are not."""
+        self.me.seq = max(self.me.seq, seq) + 1
+        log.info("refuting a suspicion of this node (now at sequence %d)", self.me.seq)
+        self._spread(ALIVE, self.me)
+
+    def _news(self, updates: Any, limit: int = 4 * PIGGYBACK) -> None:
+        """Apply gossip: [kind, record] pairs."""
+        if not isinstance(updates, list):
+            raise PeerError("malformed gossip")
+        for u in updates[:limit]:
+            if not (isinstance(u, list) and len(u) == 2 and u[0] in KINDS):
+                raise PeerError("malformed gossip update")
+            self._apply_news(u[0], parse_record(u[1]))
+
+    def _apply_news(self, kind: str, new: Member) -> None:
+        if new.id == self.me.id:
+            if (kind in ("suspect", DEAD) and new.incarnation == self.me.incarnation
+                    and new.seq >= self.me.seq):
+                self._refute(new.seq)
+            return
+        m = self.members.get(new.id)
+        if m is not None and new.version < m.version:
+            return
+        newer = m is None or new.version > m.version
+        if kind == ALIVE:
+            if not newer and m is not None and m.state != JOINING:
+                return  # same version: a dead member is never revived by hearsay
+            self._adopt(m, new, ALIVE)
+            self._clear_suspicion(new.id)
+        elif kind == "suspect":
+            if m is None or newer:
+                m = self._adopt(m, new, ALIVE)
+            if m.state != ALIVE or new.id in self.suspects:
+                return
+            self.suspect(new.id)
+        elif kind == DEAD:
+            if m is not None and not newer and m.state in (DEAD, LEFT):
+                return
+            self._adopt(m, new, DEAD)
+            self._clear_suspicion(new.id)
+            log.warning("peer %s (%s) is dead (news from another member): taken off the "
+                        "ring", new.id, new.addr)
+            self.on_suspect(new.id)  # what still waits on it gives up
+        else:  # LEFT
+            if m is not None and not newer and m.state == LEFT:
+                return
+            self._adopt(m, new, LEFT)
+            self._clear_suspicion(new.id)
+            log.info("peer %s (%s) left the cluster", new.id, new.addr)
+        self._updates[new.id] = _Update(kind, new.record())  # pass it on
+        self._rebuild()
+
+    def _adopt(self, m: Member | None, new: Member, state: str) -> Member:
+        """Take `new`'s record (a newer version, or news of a state) with `state`."""
+        if m is None or new.version > m.version:
+            if m is not None and m.state == ALIVE and m.addr != new.addr:
+                log.warning("node %s moved from %s to %s", new.id, m.addr, new.addr)
+            if (m is None or m.state != ALIVE) and state == ALIVE:
+                log.debug("peer %s (%s) is alive", new.id, new.addr)
+            new.last_ok = m.last_ok if m is not None else self.clock()
+            new.state_since = m.state_since if m is not None else time.time()
+            self.members[new.id] = new
+            m = new
+        if m.state != state:
+            m.state, m.state_since = state, time.time()
+        return m
 
     def _heard_from(self, rec: Any) -> Member:
         """A member answered us or called us directly: it is alive."""
@@ -157,105 +332,122 @@ class Membership:
         if new.id == self.me.id:
             raise PeerError(f"a peer at {new.addr} claims our node id {new.id!r}")
         m = self.members.get(new.id)
-        if m is None or new.incarnation > m.incarnation:
-            if m is not None and m.state == ALIVE and m.addr != new.addr:
-                log.warning("node %s moved from %s to %s", new.id, m.addr, new.addr)
-            if m is None or m.state != ALIVE:
-                log.info("peer %s (%s) is alive", new.id, new.addr)
-            m = new
-            self.members[m.id] = m
-        elif new.incarnation < m.incarnation:
+        if m is not None and new.incarnation < m.incarnation:
             raise PeerError(f"node {new.id} at {new.addr} is an old incarnation")
+        if m is not None and new.incarnation == m.incarnation and m.state == LEFT:
+            raise PeerError(f"node {new.id} left the cluster")
+        was = m.state if m is not None else None
+        if m is None or new.version > m.version:
+            m = self._adopt(m, new, ALIVE)
+            self._spread(ALIVE, m)
         else:
             m.addr, m.capacity, m.used = new.addr, new.capacity, new.used
-            m.raft, m.raft_n = new.raft, new.raft_n
-            if m.state == LEFT:
-                raise PeerError(f"node {new.id} left the cluster")
-            if m.state != ALIVE:
-                log.info("peer %s (%s) is answering again", m.id, m.addr)
         if m.state != ALIVE:
+            log.info("peer %s (%s) is answering again", m.id, m.addr)
             m.state, m.state_since = ALIVE, time.time()
-        m.last_ok = time.monotonic()
-        self.suspects.discard(m.id)
+        elif was == ALIVE and m.id in self.suspects:
+            log.info("peer %s (%s) is answering again", m.id, m.addr)
+        m.last_ok = self.clock()
+        self._clear_suspicion(m.id)
         self._rebuild()
         return m
 
-    def _learn(self, records: Any) -> None:
-        """Gossip: members someone else knows. They join the ring once they answer us."""
-        if not isinstance(records, list):
-            raise PeerError("malformed member list")
-        for rec in records:
-            new = parse_record(rec)
-            if new.id == self.me.id:
-                continue
-            m = self.members.get(new.id)
-            if m is None or new.incarnation > m.incarnation:
-                new.state, new.last_ok = JOINING, time.monotonic()
-                self.members[new.id] = new
-
-    def _failed(self, m: Member) -> None:
-        silent = time.monotonic() - m.last_ok
-        if silent > self.timeout / 2:
-            self.suspect(m.id)
-        if m.state == ALIVE and silent > self.timeout:
-            log.warning("peer %s (%s) has not answered for %.1fs: taken off the ring",
-                        m.id, m.addr, silent)
-            m.state, m.state_since = DEAD, time.time()
-            self._rebuild()
-        elif m.state == JOINING and silent > self.timeout:
-            del self.members[m.id]  # heard of, never reached
-        elif m.state == DEAD and time.time() - m.state_since > FORGET_DEAD_SECONDS:
-            del self.members[m.id]
+    def _what_we_think(self, node: str) -> str:
+        """What a member answering us should know: whether we had it suspect or dead."""
+        m = self.members.get(node)
+        if m is None:
+            return ALIVE
+        if m.state in (DEAD, LEFT):
+            return m.state
+        return "suspect" if node in self.suspects else ALIVE
 
     def _view(self) -> list[dict[str, Any]]:
         return [m.record() for m in self.members.values() if m.state == ALIVE]
 
-    def _my_record(self) -> dict[str, Any]:
-        self.me.used = self._used()
-        return self.me.record()
+    def _full_view(self) -> list[list[Any]]:
+        return [[ALIVE if m.state in (ALIVE, JOINING) else m.state, m.record()]
+                for m in self.members.values()] + [[ALIVE, self._my_record()]]
+
+    def _learn(self, records: Any) -> None:
+        """A seed's view of the cluster (a join): its live members, as alive."""
+        if not isinstance(records, list):
+            raise PeerError("malformed member list")
+        for rec in records:
+            self._apply_news(ALIVE, parse_record(rec))
 
     # -- requests from peers --------------------------------------------------------------
 
-    def handle(self, peer: str, msg: dict[str, Any]) -> dict[str, Any]:
+    async def handle(self, peer: str, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
         rec = msg.get("from")
         if not isinstance(rec, dict) or rec.get("id") != peer:
             raise PeerError(f"{op} from {peer} carries another node's record")
-        if op in ("join", "ping"):
+        if op in ("join", "ping", "ping_req"):
             old = self.members.get(peer)
             if (op == "join" and old is not None and old.state == ALIVE
                     and old.addr != rec.get("addr")
-                    and time.monotonic() - old.last_ok < self.timeout):
+                    and self.clock() - old.last_ok < self.timeout):
                 return {"error": Conflict.code,
                         "msg": f"node id {peer!r} is already used by the member at {old.addr}"}
+            thought = self._what_we_think(peer)
             self._heard_from(rec)
-            self._learn(msg.get("members", []))
-            return {"from": self._my_record(), "members": self._view()}
+            self._news(msg.get("gossip", []))
+            if msg.get("thought") in ("suspect", DEAD):
+                self._refute(self.me.seq)
+            reply: dict[str, Any] = {}
+            if op == "join":
+                self._learn(msg.get("members", []))
+                reply["members"] = self._view()
+            elif op == "ping_req":
+                reply["ok"] = await self._probe_for(msg)
+            if msg.get("sync"):
+                reply["view"] = self._full_view()
+            if thought != ALIVE:
+                reply["thought"] = thought  # so that it refutes it everywhere
+            reply.update({"from": self._my_record(), "gossip": self._gossip()})
+            return reply
         if op == "leave":
             m = self.members.get(peer)
             if m is not None and m.incarnation == rec.get("inc"):
-                log.info("peer %s (%s) left the cluster", m.id, m.addr)
+                if m.state != LEFT:
+                    log.info("peer %s (%s) left the cluster", m.id, m.addr)
                 m.state, m.state_since = LEFT, time.time()
+                self._clear_suspicion(m.id)
+                self._spread(LEFT, m)
                 self._rebuild()
             return {}
         raise PeerError(f"unknown membership op {op!r}")
+
+    async def _probe_for(self, msg: dict[str, Any]) -> bool:
+        """A `ping_req`: probe the named member on the asker's behalf."""
+        target = msg.get("target")
+        m = self.members.get(target) if isinstance(target, str) else None
+        if m is None or m.id == self.me.id:
+            return False
+        wait = msg.get("wait")
+        wait = min(self.timeout, float(wait)) if isinstance(wait, int | float) else \
+            self.interval / 2
+        return await self._ping_once(m, max(0.05, wait))
 
     # -- our side -------------------------------------------------------------------------
 
     async def _join_one(self, addr: str) -> None:
         reply, _ = await self.pool.request(addr, {"op": "join", "from": self._my_record(),
-                                                  "members": self._view()},
+                                                  "members": self._view(),
+                                                  "gossip": self._gossip()},
                                            timeout=max(5.0, self.timeout))
         alone = len(self.ring) == 1
         self._heard_from(reply.get("from"))
         self._learn(reply.get("members"))
-        if alone:
+        self._news(reply.get("gossip", []))
+        if alone and len(self.ring) > 1:
             # We joined an existing cluster: what we now own, others cached until now.
-            self.joined_at = time.monotonic()
+            self.joined_at = self.clock()
 
     async def _expand_seeds(self) -> list[str]:
-        """Seeds as addresses: a name (a Kubernetes headless Service) can stand for every
-        member; our own address is left out."""
+        """Seeds as addresses, in random order (joins spread over the seeds): a name (a
+        Kubernetes headless Service) can stand for every member; our own address is left
+        out."""
         out: list[str] = []
         for seed in self.seeds:
             host, _, port = seed.rpartition(":")
@@ -270,6 +462,7 @@ class Membership:
                 addr = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
                 if addr != self.me.addr and addr not in out:
                     out.append(addr)
+        random.shuffle(out)
         return out
 
     async def join(self) -> None:
@@ -294,42 +487,142 @@ class Membership:
         else:
             log.info("no peers given; forming a new cluster")
 
+    def _next_target(self) -> Member | None:
+        while self._urgent:
+            m = self.members.get(self._urgent.pop(0))
+            if m is not None and m.state in (ALIVE, JOINING):
+                return m
+        for _ in range(2):
+            while self._order:
+                m = self.members.get(self._order.pop())
+                if m is not None and m.state in (ALIVE, JOINING):
+                    return m
+            self._order = [i for i, m in self.members.items() if m.state in (ALIVE, JOINING)]
+            random.shuffle(self._order)
+        return None
+
     async def run(self) -> None:
-        """Heartbeats: ping every member each interval (a slow member delays only its own
-        pings), and re-try seeds we are not joined to."""
-        last_seed_try = time.monotonic()
+        """The protocol: each period probe one member (and, every few periods, one dead
+        member), settle suspicions, and re-try seeds we are not joined to."""
+        last_seed_try = self.clock()
         rounds = 0
         busy: set[str] = set()
         async with trio.open_nursery() as nursery:
             while True:
                 await trio.sleep(self.interval)
                 rounds += 1
-                for m in list(self.members.values()):
-                    if m.addr in busy:
-                        continue
-                    if m.state in (ALIVE, JOINING) or (m.state == DEAD and rounds % 5 == 0):
-                        busy.add(m.addr)
-                        nursery.start_soon(self._ping, m, busy)
-                now = time.monotonic()
+                m = self._next_target()
+                if m is not None and m.addr not in busy:
+                    busy.add(m.addr)
+                    nursery.start_soon(self._probe, m, busy, rounds % SYNC_EVERY == 0)
+                if rounds % REVIVE_EVERY == 0:
+                    dead = [d for d in self.members.values()
+                            if d.state == DEAD and d.addr not in busy]
+                    if dead:
+                        d = random.choice(dead)
+                        busy.add(d.addr)
+                        nursery.start_soon(self._probe, d, busy, False)
+                self._settle()
+                now = self.clock()
                 if now - last_seed_try > SEED_RETRY_SECONDS:
                     last_seed_try = now
                     nursery.start_soon(self._retry_seeds, busy)
 
-    async def _ping(self, m: Member, busy: set[str]) -> None:
+    def _settle(self) -> None:
+        """Suspects that did not refute within half the timeout are dead; dead members
+        are forgotten after a while."""
+        self._log_ring(flush=True)
+        now = self.clock()
+        for node, since in list(self._suspect_since.items()):
+            m = self.members.get(node)
+            if m is None or m.state != ALIVE:
+                self._suspect_since.pop(node, None)
+                continue
+            if now - since > self.timeout / 2 and now - m.last_ok > self.timeout / 2:
+                log.warning("peer %s (%s) has not answered for %.1fs: taken off the ring",
+                            m.id, m.addr, now - max(since, m.last_ok))
+                m.state, m.state_since = DEAD, time.time()
+                self._clear_suspicion(node)
+                self._spread(DEAD, m)
+                self._rebuild()
+        for m in list(self.members.values()):
+            if m.state in (DEAD, LEFT) and time.time() - m.state_since > FORGET_DEAD_SECONDS:
+                del self.members[m.id]
+            elif m.state == JOINING and now - m.last_ok > self.timeout:
+                del self.members[m.id]  # heard of, never reached
+
+    async def _ping_once(self, m: Member, wait: float, sync: bool = False) -> bool:
+        """One direct ping; whether `m` answered (and what it said is taken in)."""
+        msg: dict[str, Any] = {"op": "ping", "from": self._my_record(),
+                               "gossip": self._gossip()}
+        if sync:
+            msg["sync"] = True
+        thought = self._what_we_think(m.id)
+        if thought != ALIVE:
+            msg["thought"] = thought  # so that it refutes it everywhere
+        self.probes += 1
         try:
-            reply, _ = await self.pool.request(
-                m.addr, {"op": "ping", "from": self._my_record(), "members": self._view()},
-                timeout=max(self.interval, self.timeout / 2))
+            reply, _ = await self.pool.request(m.addr, msg, timeout=wait)
             if reply.get("from", {}).get("id") != m.id:
                 raise PeerError(f"{m.addr} is now node {reply.get('from')!r:.100}")
             self._heard_from(reply["from"])
-            self._learn(reply.get("members", []))
+            self._news(reply.get("gossip", []))
+            if reply.get("thought") in ("suspect", DEAD):
+                self._refute(self.me.seq)
+            view = reply.get("view")
+            if isinstance(view, list):
+                self._news(view, limit=len(view))
+            return True
         except PeerError as e:
             log.debug("ping %s: %s", m.id, e)
-            if self.members.get(m.id) is m:
-                self._failed(m)
+            return False
+
+    async def _probe(self, m: Member, busy: set[str], sync: bool) -> None:
+        """SWIM's probe: direct, then through up to INDIRECT other members."""
+        try:
+            if await self._ping_once(m, max(0.05, self.interval / 2), sync):
+                return
+            if self.members.get(m.id) is not m or m.state != ALIVE:
+                return  # a dead member's revival probe: no indirect probes
+            helpers = [h for h in self.members.values()
+                       if h.state == ALIVE and h.id != m.id and h.id not in self.suspects]
+            ok = False
+            if helpers:
+                ok = await self._indirect(m, random.sample(helpers, min(INDIRECT,
+                                                                        len(helpers))))
+            if ok:
+                m.last_ok = self.clock()
+                self._clear_suspicion(m.id)
+            elif (self.members.get(m.id) is m and m.state == ALIVE
+                  and m.id not in self.suspects):
+                self.suspect(m.id)
+                self._spread("suspect", m)
         finally:
             busy.discard(m.addr)
+
+    async def _indirect(self, m: Member, helpers: list[Member]) -> bool:
+        answered = False
+        wait = max(0.05, self.interval / 2)
+
+        async def ask(h: Member, cancel: trio.CancelScope) -> None:
+            nonlocal answered
+            self.probes += 1
+            try:
+                reply, _ = await self.pool.request(
+                    h.addr, {"op": "ping_req", "from": self._my_record(), "target": m.id,
+                             "wait": wait, "gossip": self._gossip()}, timeout=wait * 2 + 0.5)
+                self._heard_from(reply.get("from"))
+                self._news(reply.get("gossip", []))
+                if reply.get("ok") is True:
+                    answered = True
+                    cancel.cancel()
+            except PeerError as e:
+                log.debug("ping_req %s via %s: %s", m.id, h.id, e)
+
+        async with trio.open_nursery() as nursery:
+            for h in helpers:
+                nursery.start_soon(ask, h, nursery.cancel_scope)
+        return answered
 
     async def _retry_seeds(self, busy: set[str]) -> None:
         """Seeds that are not (yet) members: clusters started at once merge this way."""
@@ -366,12 +659,12 @@ class Membership:
 
     def shown_state(self, m: Member) -> str:
         """A member's state as status and metrics show it: alive ones that just failed a
-        request or a heartbeat are "suspect"."""
+        request or a probe are "suspect"."""
         return "suspect" if m.state == ALIVE and m.id in self.suspects else m.state
 
     def status(self) -> list[dict[str, Any]]:
         shares = self.ring.shares()
-        now = time.monotonic()
+        now = self.clock()
         rows = [{"id": self.me.id, "addr": self.me.addr, "state": "self",
                  "ring_share": round(shares.get(self.me.id, 0.0), 4),
                  "cache_used_bytes": self._used(), "cache_capacity_bytes": self.me.capacity,

@@ -104,15 +104,17 @@ class ClusterNode:
                                         self.request_timeout)
         self.raft: RaftGroup[Any] = RaftGroup(self.membership, self.client, self.pool,
                                               raft_addr, raft_dir, key.hex(), new_state,
-                                              extract, cfg.catch_up_seconds)
+                                              extract, cfg.catch_up_seconds,
+                                              cfg.raft_voters)
 
     def routes(self) -> dict[str, Handler]:
         """The requests this part of the node answers (membership and Raft)."""
         return {"join": self._membership, "ping": self._membership,
-                "leave": self._membership, **self.raft.routes()}
+                "ping_req": self._membership, "leave": self._membership,
+                **self.raft.routes()}
 
     async def _membership(self, peer: str, msg: dict[str, Any]) -> Reply:
-        return self.membership.handle(peer, msg), None
+        return await self.membership.handle(peer, msg), None
 
     async def start(self, nursery: trio.Nursery, sock: socket.socket,
                     server: PeerServer) -> None:
@@ -139,6 +141,8 @@ class ClusterNode:
         return {"node_id": self.node_id, "listen": self.listen,
                 "members": self.membership.status(), "ring_changes": self.membership.changes,
                 "peer_requests_sent": self.pool.requests,
+                "peer_requests_by_op": dict(self.pool.by_op),
+                "membership_probes": self.membership.probes,
                 "peer_request_failures": self.pool.failures,
                 "peer_connections_open": server.connections,
                 "peer_connections_rejected": server.rejected}

@@ -159,6 +159,7 @@ class PeerPool:
         self._idle: dict[str, list[_Conn]] = {}
         self.requests = 0
         self.failures = 0
+        self.by_op: dict[str, int] = {}  # requests sent, by op
 
     async def _connect(self, addr: str) -> _Conn:
         host, port = split_addr(addr)
@@ -194,11 +195,13 @@ class PeerPool:
         PeerError (AuthError, ProtocolError) when the peer cannot answer, and the reply's
         error when it failed."""
         self.requests += 1
+        op = str(msg.get("op"))
+        self.by_op[op] = self.by_op.get(op, 0) + 1
         t0 = time.perf_counter()
         try:
             return await self._request(addr, msg, timeout, max_data, into, progress)
         finally:
-            PEER_SECONDS.labels(str(msg.get("op"))).observe(time.perf_counter() - t0)
+            PEER_SECONDS.labels(op).observe(time.perf_counter() - t0)
 
     async def _request(self, addr: str, msg: dict[str, Any], timeout: float, max_data: int,
                        into: memoryview | None, progress: Progress | None

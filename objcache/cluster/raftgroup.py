@@ -1,18 +1,36 @@
-"""This node's place in the cluster's one Raft group: getting in, staying in, leaving.
+"""This node's place in the cluster's one Raft group: a voter or a learner; getting in,
+staying in, leaving, and who votes.
 
-A starting node asks a member for its group's members, starts its own Raft member with
-them as partners (pysyncobj needs the new node running before the change can commit),
-then asks any member to add it (forwarded to the leader). A node with nobody to ask forms
-a group of one. Nodes started at the same moment (a DaemonSet rollout) may each have
-formed a group of one: a lone node that still holds only its start-up entries and sees a
-larger group, or a lone node with a lower id, discards its group and joins that one, so
-the cluster converges on one group. A node that leaves cleanly is removed by the leader (a
-leader cannot remove itself; its successor does). A crashed node stays in the group and
-rejoins with its journal when restarted.
+At most `max_voters` members (--raft-voters, default 5) vote; every other member is a
+learner (objcache.cluster.learner): it follows the committed log from a voter and sends
+its commands through it, and the leader's work per commit stays that of `max_voters`
+members however large the cluster grows.
+
+- Getting in: a starting node with nobody to ask forms a group of one (a voter, with a
+  new group id). Any other starting node becomes a learner of the largest group it sees:
+  it takes a snapshot of the state from a member and follows the log from then on, with
+  no change to the group's configuration, so a join costs the voters nothing.
+- Who votes: the leader keeps the voters at `max_voters` while there are learners. It
+  promotes a learner (`raft_promote`: the learner starts a voter with a fresh journal and
+  the leader adds it; the learner keeps serving from its own state until the voter has
+  applied as far, then hands over), removes a voter that left, removes a dead voter when
+  a learner can take its place (then promotes one), and removes voters beyond
+  `max_voters`. One change at a time, each through the log.
+- Leaving the vote: a voter that was removed (the leader tells it with `raft_demote`, or it
+  finds out when it has had no leader for a while and a member names the voters without
+  it) becomes a learner, starting from its own applied state.
+- Nodes started at the same moment may each form a group of one: a lone voter whose log
+  holds only its start-up entries yields to a larger group, or to the lone group with the
+  lower id, and becomes its learner, so the cluster converges on one group.
+- A node that leaves cleanly is removed by the leader (a leader cannot remove itself; it
+  steps down first and its successor does). A crashed voter stays in the group while no
+  learner can replace it, and rejoins with its journal when restarted; a learner keeps
+  nothing on disk and starts from a snapshot.
 
 What the state machine is, and what applying a command means to this node's caches, is
-the caller's (objcache.txn): commands applied on pysyncobj's thread are handed to the trio
-thread through the `applied` channel, in log order.
+the caller's (objcache.txn): commands applied (on pysyncobj's thread in a voter, on the
+trio thread in a learner) are handed to the trio thread through the `applied` channel, in
+log order, each once, whoever applied it.
 """
 
 from __future__ import annotations
@@ -21,15 +39,19 @@ import json
 import logging
 import math
 import shutil
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import msgpack
 import trio
 
-from objcache.cluster.membership import ALIVE, LEFT, Member
-from objcache.cluster.peers import field_str, split_addr
+from objcache.cluster.learner import FEED_REPLY_BYTES, Learner
+from objcache.cluster.membership import ALIVE, DEAD, LEFT, Member
+from objcache.cluster.peers import field_int, field_str, split_addr
 from objcache.errors import NoQuorum, PeerError, ProtocolError
 from objcache.raft.node import RaftNode, StateMachine
 
@@ -42,7 +64,20 @@ log = logging.getLogger(__name__)
 
 LONE_GROUP_ENTRIES = 8  # a Raft group of one this short holds only its own start-up
 CATCH_UP_WAIT = 60.0  # mount after this long even if the log is not caught up yet
+MAX_VOTERS = 5
+PROMOTE_WAIT = 120.0  # a promoted learner's voter has this long to catch up
+PROMOTE_RETRY = 30.0  # a learner that failed a promotion is not asked again this long
+LEADERLESS_CHECK = 3.0  # a voter without a leader this long asks whether it still votes
+MAX_FEED_WAIT = 10.0
+MAX_SUBMIT_COMMANDS = 10_000
 T = TypeVar("T")
+
+RaftMember = RaftNode | Learner
+
+
+class _Tag:
+    """Identifies which of our members (the learner, the voter being promoted) applied a
+    command: only the current one's are handed on."""
 
 
 class RaftGroup(Generic[T]):
@@ -50,14 +85,18 @@ class RaftGroup(Generic[T]):
     ready: a first barrier passed: our member has applied the cluster's log (what we show
         is not a stale or empty view).
     applied: what `extract` took from each applied command, in log order (trio thread).
+    raft: our member as the rest of the node uses it (submit, status, state): the voter or
+        the learner.
+    group: the group's id (the founder's node id and a random suffix).
     """
 
     def __init__(self, membership: Membership, client: PeerClient, pool: PeerPool,
                  raft_addr: str, raft_dir: Path, secret: str,
                  new_state: Callable[[], StateMachine],
                  extract: Callable[[Any, dict[str, Any]], T | None],
-                 catch_up_wait: float = CATCH_UP_WAIT) -> None:
+                 catch_up_wait: float = CATCH_UP_WAIT, max_voters: int = MAX_VOTERS) -> None:
         self.catch_up_wait = catch_up_wait
+        self.max_voters = max(1, max_voters)
         self.membership = membership
         self.client = client
         self.pool = pool
@@ -66,26 +105,52 @@ class RaftGroup(Generic[T]):
         self.secret = secret
         self.new_state = new_state
         self.extract = extract
-        self.raft: RaftNode | None = None
+        self.group = ""
+        self.voter: RaftNode | None = None
+        self.learner: Learner | None = None
+        self._current: RaftMember | None = None
+        self._current_tag: _Tag | None = None
+        self._promoting: RaftNode | None = None
+        self._promoting_tag: _Tag | None = None
+        self._held: list[tuple[int, T | None]] = []
+        self._deliver_lock = threading.Lock()
         self._closed = False
         self.ready = False
+        self.promotions = 0
+        self.demotions = 0
         self._applied_send, self.applied = trio.open_memory_channel[T](math.inf)
+        self._applied_index = 0
+        self._applied_event = trio.Event()
+        self._feed_event = trio.Event()
+        self._feed_waiting = False
+        self._leaderless_since: float | None = None
+        self._promote_failed: dict[str, float] = {}
         self._token: trio.lowlevel.TrioToken | None = None
+        self._trio_thread = 0
+        self._nursery: trio.Nursery | None = None
 
     def routes(self) -> dict[str, Handler]:
         return {"raft_members": self._members, "raft_add": self._change,
-                "raft_remove": self._change}
+                "raft_remove": self._change, "raft_feed": self._feed,
+                "raft_submit": self._submit, "raft_promote": self._promote,
+                "raft_demote": self._demote_request}
+
+    @property
+    def raft(self) -> RaftMember | None:
+        return self._current
 
     @property
     def state(self) -> Any:
         """The replicated state as this member has applied it (None before it runs)."""
-        return self.raft.state if self.raft is not None else None
+        return self._current.state if self._current is not None else None
 
     # -- running --------------------------------------------------------------------------
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Enter the group, then wait (bounded) until we have caught up with its log."""
         self._token = trio.lowlevel.current_trio_token()
+        self._trio_thread = threading.get_ident()
+        self._nursery = nursery
         await self._enter_group()
         nursery.start_soon(self._supervise)
         if not await self._catch_up(self.catch_up_wait):
@@ -98,9 +163,9 @@ class RaftGroup(Generic[T]):
         """Until a barrier passes through the log (then `ready`), at most `timeout`."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
-            if self.raft is not None:
+            if self._current is not None:
                 try:
-                    await self.raft.submit({"op": "ns.noop"}, timeout=5)
+                    await self._current.submit({"op": "ns.noop"}, timeout=5)
                     self.ready = True
                     log.info("caught up with the cluster's log in %.2fs",
                              time.monotonic() - t0)
@@ -110,129 +175,407 @@ class RaftGroup(Generic[T]):
             await trio.sleep(0.2)
         return False
 
-    def _applied(self, machine: Any, cmd: dict[str, Any]) -> None:
-        """On pysyncobj's thread: hand what the command changed to the trio thread."""
-        item = self.extract(machine, cmd)
-        token = self._token
-        if item is None or token is None:
+    async def _enter_group(self) -> None:
+        if (self.dir / "partners.json").exists():  # restarted with our cache dir: replay
+            self._load_group()
+            self._become_voter(json.loads((self.dir / "partners.json").read_text()))
             return
-        try:
-            token.run_sync_soon(self._applied_send.send_nowait, item)
-        except trio.RunFinishedError:
-            pass
+        best = self._best_group()
+        if best is None:
+            self.group = f"{self.membership.me.id}/{uuid.uuid4().hex[:12]}"
+            self._become_voter([])
+            return
+        await self._become_learner_of(best)
 
-    def _start_raft(self, partners: list[str]) -> None:
-        """Start our Raft member. The partners it starts with are saved: pysyncobj's
-        journal records membership changes relative to them, so a restart with the same
-        cache dir must start from the same list."""
-        saved = self.dir / "partners.json"
+    # -- handing applied commands to the node ---------------------------------------------
+
+    def _applied_by(self, tag: _Tag, machine: Any, cmd: dict[str, Any], index: int) -> None:
+        """After each applied command, on the applying member's thread."""
+        item = self.extract(machine, cmd)
+        with self._deliver_lock:
+            if tag is self._current_tag:
+                if threading.get_ident() == self._trio_thread:
+                    self._deliver(item, index)
+                elif self._token is not None:
+                    try:
+                        self._token.run_sync_soon(self._deliver, item, index)
+                    except trio.RunFinishedError:
+                        pass
+            elif tag is self._promoting_tag and index > self._learner_applied():
+                self._held.append((index, item))
+
+    def _learner_applied(self) -> int:
+        return self.learner.applied if self.learner is not None else 0
+
+    def _deliver(self, item: T | None, index: int) -> None:
+        if item is not None:
+            self._applied_send.send_nowait(item)
+        self._advance(index)
+
+    def _advance(self, index: int) -> None:
+        if index > self._applied_index:
+            self._applied_index = index
+            self._applied_event.set()
+            self._applied_event = trio.Event()
+
+    def _progress_of(self, tag: _Tag) -> Callable[[int], None]:
+        def progress(index: int) -> None:
+            if tag is self._current_tag:
+                self._advance(index)
+        return progress
+
+    async def wait_applied(self, index: int, deadline: float) -> None:
+        """Until this node has applied log index `index`; NoQuorum at `deadline`."""
+        while self._applied_index < index:
+            if trio.current_time() >= deadline:
+                raise NoQuorum(f"log index {index} was committed but not applied here in "
+                               "time")
+            with trio.move_on_at(deadline):
+                await self._applied_event.wait()
+
+    def _wake_feed(self) -> None:
+        """A member applied an entry (any thread): answer the feed requests waiting."""
+        if self._feed_waiting and self._token is not None:
+            self._feed_waiting = False
+            try:
+                self._token.run_sync_soon(self._pulse_feed)
+            except trio.RunFinishedError:
+                pass
+
+    def _pulse_feed(self) -> None:
+        self._feed_event.set()
+        self._feed_event = trio.Event()
+
+    # -- becoming a voter or a learner ----------------------------------------------------
+
+    def _save_group(self, partners: list[str]) -> None:
+        """pysyncobj's journal records membership changes relative to the partners it
+        started with, so a restart with the same cache dir must start from the same
+        list."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(partners))
-        self.raft = RaftNode(self.addr, partners, self.dir, self.secret, self.new_state(),
-                             self._applied)
+        (self.dir / "partners.json").write_text(json.dumps(partners))
+        (self.dir / "group.json").write_text(json.dumps({"group": self.group}))
+
+    def _load_group(self) -> None:
+        try:
+            self.group = str(json.loads((self.dir / "group.json").read_text())["group"])
+        except (OSError, ValueError, KeyError, TypeError):
+            self.group = ""  # a journal from before groups had ids
+
+    def _new_voter(self, partners: list[str], tag: _Tag) -> RaftNode:
+        self._save_group(partners)
+        node = RaftNode(self.addr, partners, self.dir, self.secret, self.new_state(),
+                        lambda m, c, i: self._applied_by(tag, m, c, i))
+        node.feed.on_add = self._wake_feed
         log.info("raft member %s started with partners %s", self.addr, partners or "none")
+        return node
+
+    def _become_voter(self, partners: list[str]) -> None:
+        tag = _Tag()
+        with self._deliver_lock:
+            self._current_tag = tag
+        node = self._new_voter(partners, tag)
+        self.voter, self._current = node, node
+
+    async def _voters_of(self, m: Member) -> tuple[list[str], str]:
+        got = await self.client.call(m.id, {"op": "raft_members"}, max_data=0, timeout=10.0)
+        found = None if got is None else got[0].get("members")
+        group = None if got is None else got[0].get("group")
+        voters = [str(a) for a in found if a != self.addr] if isinstance(found, list) else []
+        return voters, group if isinstance(group, str) else ""
+
+    async def _become_learner_of(self, best: Member | None,
+                                 state: StateMachine | None = None, applied: int = 0,
+                                 voters: list[str] | None = None) -> None:
+        """Follow the log of `best`'s group: from `state` at index `applied` (our own, if
+        we were a voter of that group) or from a snapshot."""
+        group = self.group if state is not None else ""
+        if voters is None:
+            voters = []
+            if best is not None:
+                voters, group = await self._voters_of(best)
+        tag = _Tag()
+        learner = Learner(self.client, self.membership,
+                          state if state is not None else self.new_state(), voters, group,
+                          lambda m, c, i: self._applied_by(tag, m, c, i),
+                          self.wait_applied, self._progress_of(tag))
+        learner.applied = applied
+        learner.feed.on_add = self._wake_feed
+        with self._deliver_lock:
+            self.learner, self._current, self._current_tag = learner, learner, tag
+        self.group = group
+        self._advance(applied)
+        assert self._nursery is not None
+        self._nursery.start_soon(learner.run)
+        log.info("raft: following the log as a learner (voters %s)", voters or "unknown yet")
 
     def _best_group(self) -> Member | None:
-        """The member whose Raft group to join: the largest group, then the lowest id."""
+        """A member of the group to join: the largest group, then the lowest group id
+        (members whose group we are in do not count)."""
         others = [m for m in self.membership.members.values()
-                  if m.state == ALIVE and m.raft and m.raft_n >= 1]  # 0: not started yet
-        return min(others, key=lambda m: (-m.raft_n, m.id), default=None)
+                  if m.state == ALIVE and m.raft and m.raft_n >= 1
+                  and (not self.group or m.group != self.group)]
+        return min(others, key=lambda m: (-m.raft_n, m.group, m.id), default=None)
 
-    async def _ask_to_add(self, first: Member) -> list[str] | None:
-        """Have a member add us to its group; its members (us included) if it did."""
-        others = [m for m in self.membership.members.values()
-                  if m.state == ALIVE and m.raft and m is not first]
-        for m in [first, *others]:
-            got = await self.client.call(m.id, {"op": "raft_add", "raft": self.addr},
-                                         max_data=0, timeout=30.0)
-            members = None if got is None else got[0].get("members")
-            if isinstance(members, list) and self.addr in members:
-                log.info("raft: added to the group through %s", m.id)
-                return [str(a) for a in members]
-        return None
+    # -- promotion and demotion -----------------------------------------------------------
 
-    async def _join_group_of(self, best: Member | None) -> None:
-        members: list[str] = []
-        if best is not None:
-            got = await self.client.call(best.id, {"op": "raft_members"}, max_data=0,
-                                         timeout=10.0)
-            found = None if got is None else got[0].get("members")
-            if isinstance(found, list):
-                members = [str(a) for a in found if a != self.addr]
-        self._start_raft(members)
-        if best is not None and members:
-            await self._ask_to_add(best)
+    async def _promote(self, peer: str, msg: dict[str, Any]) -> Reply:
+        """The leader asks us to vote: start a voter (the leader adds it next)."""
+        voters = msg.get("voters")
+        if not (isinstance(voters, list) and all(isinstance(v, str) for v in voters)):
+            raise ProtocolError("raft_promote needs the voters")
+        if isinstance(self._current, RaftNode) or self._promoting is not None:
+            return {"ok": True}, None
+        if self.learner is None:
+            raise PeerError("raft is not running here yet")
+        group = msg.get("group")
+        if isinstance(group, str) and group and self.group and group != self.group:
+            raise PeerError(f"we follow group {self.group}, not {group}")
+        self._begin_promotion([v for v in voters if v != self.addr])
+        return {"ok": True}, None
 
-    async def _enter_group(self) -> None:
-        saved = self.dir / "partners.json"
-        if saved.exists():  # restarted with our cache dir: replay our log
-            self._start_raft(json.loads(saved.read_text()))
+    def _begin_promotion(self, voters: list[str]) -> None:
+        log.info("raft: promoted to voter; starting a voter with partners %s", voters)
+        shutil.rmtree(self.dir, ignore_errors=True)  # a fresh journal: the leader sends it
+        tag = _Tag()
+        node = self._new_voter(voters, tag)
+        with self._deliver_lock:
+            self._promoting, self._promoting_tag = node, tag
+        assert self._nursery is not None
+        self._nursery.start_soon(self._hand_over, node, tag)
+
+    async def _hand_over(self, node: RaftNode, tag: _Tag) -> None:
+        """Once the new voter has a leader and has applied as far as the learner, it
+        becomes this node's member; until then the learner serves."""
+        deadline = trio.current_time() + PROMOTE_WAIT
+        while True:
+            if self._promoting is not node:
+                return
+            st = node.status()
+            if st["leader"] and node.applied_index() >= self._learner_applied():
+                break
+            if trio.current_time() > deadline:
+                log.warning("raft: the new voter did not catch up in %.0fs; staying a "
+                            "learner", PROMOTE_WAIT)
+                with self._deliver_lock:
+                    self._promoting = self._promoting_tag = None
+                    self._held = []
+                node.destroy()
+                shutil.rmtree(self.dir, ignore_errors=True)
+                return
+            await trio.sleep(0.1)
+        learner = self.learner
+        assert learner is not None
+        learner.stop()
+        with self._deliver_lock:
+            floor = learner.applied
+            self._current, self._current_tag = node, tag
+            self.voter, self.learner = node, None
+            self._promoting = self._promoting_tag = None
+            held, self._held = self._held, []
+        for index, item in held:
+            if index > floor:
+                self._deliver(item, index)
+        self._advance(node.applied_index())
+        self.promotions += 1
+        log.info("raft: now a voter (handed over at log index %d)", floor)
+
+    async def _demote(self, why: str) -> None:
+        """Stop voting: follow the log as a learner, from our own applied state."""
+        node = self.voter
+        if node is None or self._current is not node:
             return
-        await self._join_group_of(self._best_group())
+        log.info("raft: no longer a voter (%s); following the log as a learner", why)
+        voters = [a for a in node.members() if a != self.addr]
+        with self._deliver_lock:
+            self._current = self._current_tag = None
+        await trio.to_thread.run_sync(node.destroy_synchronous)
+        state, applied = node.state, node.applied_index()
+        self.voter = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.demotions += 1
+        await self._become_learner_of(None, state, applied, voters)
+
+    async def _demote_request(self, peer: str, msg: dict[str, Any]) -> Reply:
+        group = msg.get("group")
+        if isinstance(group, str) and group and self.group and group != self.group:
+            raise PeerError(f"we are in group {self.group}, not {group}")
+        if self.voter is not None and self._current is self.voter:
+            # not from inside the request: destroying the voter takes a moment
+            assert self._nursery is not None
+            self._nursery.start_soon(self._demote, f"removed by {peer}")
+        return {"ok": True}, None
+
+    # -- supervising ----------------------------------------------------------------------
 
     async def _supervise(self) -> None:
-        """Stay in the cluster's one group (see the module docstring), remove members that
-        left, and commit our membership record once per incarnation. Nothing waits for
-        this; it retries."""
+        """Stay in the cluster's one group (see the module docstring), keep the voter set
+        whole when leading, and commit our membership record once per incarnation.
+        Nothing waits for this; it retries."""
         me = self.membership.me
-        assert self.raft is not None
         recorded = False
         while True:
             try:
-                me.raft_n = len(self.raft.members())
-                best = self._best_group()
-                yield_to_best = best is not None and (
-                    best.raft_n > 1 or (best.raft_n == 1 and best.id < me.id))
-                if (me.raft_n == 1 and yield_to_best and best is not None
-                        and (self.raft.status().get("log_entries") or 0) <= LONE_GROUP_ENTRIES):
-                    log.info("raft: leaving our group of one to join %s's", best.id)
-                    self.raft.destroy()
-                    shutil.rmtree(self.dir, ignore_errors=True)
-                    await self._join_group_of(best)
+                cur = self._current
+                me.raft_n = len(cur.members()) if cur is not None else 0
+                me.group = self.group
+                if isinstance(cur, RaftNode) and await self._yield_lone_group(cur):
                     recorded = False
-                await self._remove_departed()
-                if not recorded:
-                    await self.raft.submit({"op": "member", "node": me.id, "addr": me.addr,
-                                            "cap": me.capacity,
-                                            "tx": f"member/{me.id}/{me.incarnation}"},
-                                           timeout=10)
+                elif isinstance(cur, RaftNode):
+                    if cur.status().get("role") == "leader":
+                        await self._manage_voters(cur)
+                    else:
+                        await self._check_still_voter(cur)
+                elif isinstance(cur, Learner) and self._promoting is None and \
+                        self.addr in cur.voters:
+                    # the group counts us as a voter (a promotion we gave up, a restart)
+                    self._begin_promotion([v for v in cur.voters if v != self.addr])
+                if not recorded and self._current is not None:
+                    await self._current.submit(
+                        {"op": "member", "node": me.id, "addr": me.addr, "cap": me.capacity,
+                         "tx": f"member/{me.id}/{me.incarnation}"}, timeout=10)
                     recorded = True
             except NoQuorum as e:
                 log.info("raft: %s", e)
-            await trio.sleep(3 if recorded else 1)
+            await trio.sleep(1 if not recorded or self._promoting is not None else 2)
 
-    async def _remove_departed(self) -> None:
-        """As leader, take members that left the cluster cleanly out of the group. Crashed
-        members stay: they may come back with their log."""
-        assert self.raft is not None
-        if self.raft.status().get("role") != "leader":
+    async def _yield_lone_group(self, cur: RaftNode) -> bool:
+        best = self._best_group()
+        if best is None or len(cur.members()) != 1:
+            return False
+        if not (best.raft_n > 1 or (best.raft_n == 1 and best.group < self.group)):
+            return False
+        if (cur.status().get("log_entries") or 0) > LONE_GROUP_ENTRIES:
+            return False
+        log.info("raft: leaving our group of one to join %s's", best.id)
+        with self._deliver_lock:
+            self._current = self._current_tag = None
+        await trio.to_thread.run_sync(cur.destroy_synchronous)
+        self.voter = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.group = ""
+        await self._become_learner_of(best)
+        return True
+
+    async def _manage_voters(self, raft: RaftNode) -> None:
+        """As leader: one change to the voters per round (see the module docstring)."""
+        voters = set(raft.members())
+        members = list(self.membership.members.values())
+        by_raft = {m.raft: m for m in members if m.raft}
+        now = time.monotonic()
+        others = sorted(voters - {self.addr})
+        for addr in others:
+            m = by_raft.get(addr)
+            if m is not None and m.state == LEFT:
+                log.info("raft: removing %s, which left the cluster", addr)
+                await raft.remove_member(addr, timeout=10)
+                return
+        learners = sorted((m for m in members
+                           if m.state == ALIVE and m.id not in self.membership.suspects
+                           and m.raft and m.raft not in voters and m.raft_n >= 1
+                           and m.group == self.group
+                           and self._promote_failed.get(m.id, 0) < now),
+                          key=lambda m: m.id)
+        dead = [a for a in others if (m := by_raft.get(a)) is None or m.state == DEAD]
+        if dead and learners:
+            log.info("raft: removing voter %s, which stopped answering; a learner takes its "
+                     "place", dead[0])
+            await self._remove_voter(raft, dead[0], by_raft.get(dead[0]))
             return
-        departed = {m.raft for m in self.membership.members.values()
-                    if m.state == LEFT and m.raft}
-        for addr in sorted(departed & set(self.raft.members())):
-            log.info("raft: removing %s, which left the cluster", addr)
-            await self.raft.remove_member(addr, timeout=10)
+        if len(voters) > self.max_voters and others:
+            suspects = [a for a in others if (m := by_raft.get(a)) is None
+                        or m.id in self.membership.suspects]
+            victim = (suspects or others)[-1]
+            log.info("raft: %d voters, %d wanted: %s stops voting", len(voters),
+                     self.max_voters, victim)
+            await self._remove_voter(raft, victim, by_raft.get(victim))
+            return
+        if len(voters) < self.max_voters and learners:
+            await self._promote_member(raft, learners[0], sorted(voters))
+
+    async def _remove_voter(self, raft: RaftNode, addr: str, m: Member | None) -> None:
+        await raft.remove_member(addr, timeout=10)
+        if m is not None and m.state == ALIVE:
+            await self.client.call(m.id, {"op": "raft_demote", "group": self.group},
+                                   max_data=0, timeout=5.0)
+
+    async def _promote_member(self, raft: RaftNode, m: Member, voters: list[str]) -> None:
+        got = await self.client.call(m.id, {"op": "raft_promote", "voters": voters,
+                                            "group": self.group}, max_data=0, timeout=10.0)
+        if got is None or not got[0].get("ok"):
+            self._promote_failed[m.id] = time.monotonic() + PROMOTE_RETRY
+            return
+        log.info("raft: adding %s (%s) to the voters", m.raft, m.id)
+        try:
+            await raft.add_member(m.raft, timeout=10)
+        except NoQuorum:
+            self._promote_failed[m.id] = time.monotonic() + 2.0
+            raise
+
+    async def _check_still_voter(self, raft: RaftNode) -> None:
+        """A voter with no leader for a while asks members whether the group still counts
+        it: a voter removed while it was away never hears of its removal otherwise."""
+        if raft.status().get("leader"):
+            self._leaderless_since = None
+            return
+        now = time.monotonic()
+        if self._leaderless_since is None:
+            self._leaderless_since = now
+            return
+        if now - self._leaderless_since < LEADERLESS_CHECK:
+            return
+        self._leaderless_since = now
+        voters = set(raft.members())
+        asked = sorted((m for m in self.membership.members.values()
+                        if m.state == ALIVE and m.raft and m.raft != self.addr),
+                       key=lambda m: (m.raft not in voters, m.id))[:3]
+        for m in asked:
+            got = await self.client.call(m.id, {"op": "raft_members"}, max_data=0,
+                                         timeout=2.0)
+            if got is None:
+                continue
+            reply = got[0]
+            members, group = reply.get("members"), reply.get("group")
+            if (reply.get("leader") and isinstance(members, list) and members
+                    and self.addr not in members
+                    and (not group or not self.group or group == self.group)):
+                await self._demote(f"{m.id} names the voters without us")
+                return
+
+    # -- leaving --------------------------------------------------------------------------
 
     async def leave(self) -> None:
         """Leave the group. Returns once the group no longer counts us (bounded), so that
         the next node to leave still finds a quorum."""
-        if self.raft is None:
+        cur = self._current
+        if cur is None:
+            return
+        me = self.membership.me
+        record = {"op": "member", "node": me.id, "remove": True,
+                  "tx": f"leave/{me.id}/{me.incarnation}"}
+        if isinstance(cur, Learner):
+            with trio.move_on_after(8):
+                try:
+                    await cur.submit(record, timeout=4)
+                except NoQuorum as e:
+                    log.warning("could not record our leaving: %s", e)
+            self.close()
             return
         others = [m.addr for m in self.membership.members.values()
-                  if m.state == ALIVE and m.id != self.membership.me.id]
-        me = self.membership.me
+                  if m.state == ALIVE and m.id != me.id]
         with trio.move_on_after(12):
             try:
-                await self.raft.submit({"op": "member", "node": me.id, "remove": True,
-                                        "tx": f"leave/{me.id}/{me.incarnation}"}, timeout=4)
-                if self.raft.status().get("role") == "leader":
+                await cur.submit(record, timeout=4)
+                if cur.status().get("role") == "leader":
                     # pysyncobj refuses a leader's removal of itself, and waiting for a
                     # successor fails in a group of two (one member cannot elect itself):
                     # hand leadership over, then be removed as a follower.
-                    await self.raft.step_down()
-                if self.raft.status().get("role") != "leader":
-                    for m in list(self.membership.members.values()):
-                        if m.state == ALIVE and await self.client.call(
+                    await cur.step_down()
+                if cur.status().get("role") != "leader":
+                    voters = set(cur.members())
+                    for m in sorted(self.membership.members.values(),
+                                    key=lambda m: m.raft not in voters):
+                        if m.state == ALIVE and m.raft in voters and await self.client.call(
                                 m.id, {"op": "raft_remove", "raft": self.addr},
                                 max_data=0, timeout=4.0) is not None:
                             break
@@ -247,9 +590,12 @@ class RaftGroup(Generic[T]):
 
     def close(self) -> None:
         """Stop our Raft member (its thread and sockets), without leaving the group."""
-        if self.raft is not None and not self._closed:
-            self._closed = True
-            self.raft.destroy()
+        if self._closed:
+            return
+        self._closed = True
+        for member in (self.voter, self._promoting, self.learner):
+            if member is not None:
+                member.destroy()
 
     async def _wait_removed(self, addrs: list[str], timeout: float = 20.0) -> None:
         with trio.move_on_after(timeout):
@@ -261,7 +607,8 @@ class RaftGroup(Generic[T]):
                     except PeerError:
                         continue
                     members = reply.get("members")
-                    if isinstance(members, list) and members and self.addr not in members:
+                    if (isinstance(members, list) and members and self.addr not in members
+                            and reply.get("voter")):
                         log.info("raft: the group removed us")
                         return
                 await trio.sleep(0.3)
@@ -270,7 +617,11 @@ class RaftGroup(Generic[T]):
     # -- serving peers and status ---------------------------------------------------------
 
     async def _members(self, peer: str, msg: dict[str, Any]) -> Reply:
-        return {"members": self.raft.members() if self.raft else []}, None
+        cur = self._current
+        if cur is None:
+            return {"members": [], "group": self.group}, None
+        return {"members": cur.members(), "leader": cur.status().get("leader"),
+                "group": self.group, "voter": isinstance(cur, RaftNode)}, None
 
     async def _change(self, peer: str, msg: dict[str, Any]) -> Reply:
         addr = field_str(msg, "raft")
@@ -278,18 +629,84 @@ class RaftGroup(Generic[T]):
             split_addr(addr)
         except ValueError as e:
             raise ProtocolError(str(e)) from None
-        if self.raft is None:
-            raise PeerError("raft is not running here yet")
+        cur = self._current
+        if not isinstance(cur, RaftNode):
+            raise PeerError("this member does not vote")
         if msg.get("op") == "raft_add":
-            await self.raft.add_member(addr, timeout=25)
+            await cur.add_member(addr, timeout=25)
         else:
-            await self.raft.remove_member(addr, timeout=25)
-        return {"members": self.raft.members()}, None
+            await cur.remove_member(addr, timeout=25)
+        return {"members": cur.members()}, None
+
+    async def _submit(self, peer: str, msg: dict[str, Any]) -> Reply:
+        """A learner's commands: commit them (batched with ours) and answer with their
+        results and the index of the entry they came in."""
+        cmds = msg.get("cmds")
+        if not (isinstance(cmds, list) and 0 < len(cmds) <= MAX_SUBMIT_COMMANDS
+                and all(isinstance(c, bytes) for c in cmds)):
+            raise ProtocolError("raft_submit needs a list of packed commands")
+        timeout = msg.get("timeout", 10.0)
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool):
+            raise ProtocolError("raft_submit's timeout is not a number")
+        cur = self._current
+        if not isinstance(cur, RaftNode):
+            raise PeerError("this member does not vote")
+        results, index = await cur.batcher.submit(cmds, min(30.0, max(0.5, timeout)))
+        return {"results": results, "index": index}, None
+
+    async def _feed(self, peer: str, msg: dict[str, Any]) -> Reply:
+        """The entries after `after` (waiting up to `wait` seconds for one), or a snapshot
+        of the state when they are no longer all here or the asker follows another
+        group."""
+        after = field_int(msg, "after", 0, 1 << 62)
+        wait = msg.get("wait", 0.0)
+        if not isinstance(wait, int | float) or isinstance(wait, bool):
+            raise ProtocolError("raft_feed's wait is not a number")
+        group = msg.get("group")
+        snapshot = isinstance(group, str) and bool(group) and bool(self.group) \
+            and group != self.group
+        deadline = trio.current_time() + min(MAX_FEED_WAIT, max(0.0, wait))
+        while True:
+            cur = self._current
+            if cur is None:
+                raise PeerError("raft is not running here yet")
+            if snapshot:
+                return self._snapshot_reply(cur)
+            self._feed_waiting = True
+            done = cur.applied_index()
+            entries = cur.feed.since(after, FEED_REPLY_BYTES)
+            if entries is None:
+                return self._snapshot_reply(cur)
+            if entries or done > after or trio.current_time() >= deadline:
+                break
+            with trio.move_on_at(deadline):
+                await self._feed_event.wait()
+        through = done
+        if entries:
+            last = entries[-1][0]
+            through = last if last < cur.feed.last else max(last, done)
+        data = msgpack.packb([[i, b] for i, b in entries], use_bin_type=True)
+        return {**self._feed_header(cur), "through": through, "data": len(data)}, data
+
+    def _feed_header(self, cur: RaftMember) -> dict[str, Any]:
+        st = cur.status()
+        return {"voters": cur.members(), "leader": st.get("leader"), "group": self.group,
+                "term": st.get("term") or 0, "commit": st.get("commit_index") or 0}
+
+    def _snapshot_reply(self, cur: RaftMember) -> Reply:
+        blob, index = cur.snapshot()
+        return {**self._feed_header(cur), "snapshot": True, "through": index,
+                "data": len(blob)}, blob
 
     def status(self) -> dict[str, Any] | None:
-        if self.raft is None:
+        cur = self._current
+        if cur is None:
             return None
-        st = self.raft.status()
-        st["members"] = self.raft.members()
+        st = cur.status()
+        st["members"] = st["voters"] = cur.members()
         st["self"] = self.addr
+        st["group"] = self.group
+        st["max_voters"] = self.max_voters
+        st["promotions"], st["demotions"] = self.promotions, self.demotions
+        st["promoting"] = self._promoting is not None
         return st

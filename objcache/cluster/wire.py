@@ -37,7 +37,9 @@ KIND_MSG = 1
 KIND_DATA = 2
 HEADER = struct.Struct(">BI")
 MAX_HANDSHAKE_MSG = 1024  # before authentication nothing bigger is accepted
-MAX_MSG = 4 << 20  # member lists, status; chunk bytes travel in DATA frames
+# member lists, status, a learner's Raft commands (one command may be 16 MiB: a directory
+# rename); chunk bytes and Raft log entries travel in DATA frames
+MAX_MSG = 24 << 20
 NONCE_BYTES = 32
 RECV_SIZE = 256 << 10
 

@@ -1,5 +1,6 @@
 """A Raft member (pysyncobj) replicating a deterministic state machine, with a trio-facing
-`submit`.
+`submit`; group commit (`Batcher`); and the `Feed` of applied entries that the members
+which follow the log without voting read (objcache.cluster.learner).
 
 The raft layer knows no objcache state: a member replicates whatever `StateMachine` it is
 given (objcache.txn.state.ClusterState in a daemon, a counter machine in the stress test).
@@ -7,6 +8,11 @@ pysyncobj runs its own thread (autoTick); a submitted command's result comes bac
 a callback on that thread and is handed to the trio task waiting for it with the trio
 token (run_sync_soon is thread-safe). A command that cannot commit within its timeout (no
 quorum, no leader) raises NoQuorum: callers turn that into EIO after a bounded wait.
+
+Commands submitted while earlier ones are on their way to the log go together in one log
+entry (a msgpack array of packed commands, applied in order by `apply_entry`): one round
+of messages to the voters and one journal write for many commands. Results must be
+msgpack-able (a learner gets them over the peer protocol).
 
 The configuration is chosen from what was measured on these machines (see
 docs/architecture.md, "Raft"):
@@ -27,7 +33,12 @@ objcache/raft/guard.py.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+import pickle
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,8 +62,17 @@ class StateMachine(Protocol):
     def apply(self, cmd: dict[str, Any]) -> Any: ...
 
 
-# Called on pysyncobj's thread after each applied command: (the machine, the command).
-Applied = Callable[[Any, dict[str, Any]], None]
+# Called after each applied command (on pysyncobj's thread in a voter): the machine, the
+# command, the index of the log entry it came in (a batch's commands share one).
+Applied = Callable[[Any, dict[str, Any], int], None]
+
+# Entries a voter keeps for the learners that follow it; one further behind takes a
+# snapshot. Bounded in bytes too: it is resident memory.
+FEED_ENTRIES = 20_000
+FEED_BYTES = 16 << 20
+BATCH_BYTES = 4 << 20  # one log entry carries at most this much of a batch...
+BATCH_COMMANDS = 256  # ...and this many commands
+BATCHES_IN_FLIGHT = 2
 
 
 def make_conf(data_dir: Path, secret: str, bind: str | None = None) -> SyncObjConf:
@@ -77,7 +97,108 @@ def make_conf(data_dir: Path, secret: str, bind: str | None = None) -> SyncObjCo
     )
 
 
-def _ignore(machine: Any, cmd: dict[str, Any]) -> None:
+def _ignore(machine: Any, cmd: dict[str, Any], index: int) -> None:
+    pass
+
+
+def pack(cmd: dict[str, Any]) -> bytes:
+    return msgpack.packb(cmd, use_bin_type=True)
+
+
+def apply_entry(state: StateMachine, blob: bytes, index: int, on_applied: Applied) -> Any:
+    """Apply one log entry to `state`: a msgpack map is one command, an array of commands
+    (each its own msgpack bytes) is a batch whose results come back as a list, in order.
+    Deterministic: the same bytes fail the same way on every member."""
+    try:
+        entry = msgpack.unpackb(blob, raw=False)
+    except Exception as e:
+        return {"error": f"undecodable command: {e}"}
+    if isinstance(entry, list):
+        results = []
+        for one in entry:
+            try:
+                cmd = msgpack.unpackb(one, raw=False) if isinstance(one, bytes) else None
+            except Exception as e:
+                results.append({"error": f"undecodable command: {e}"})
+                continue
+            results.append(_apply_one(state, cmd, index, on_applied))
+        return results
+    return _apply_one(state, entry, index, on_applied)
+
+
+def _apply_one(state: StateMachine, cmd: Any, index: int, on_applied: Applied) -> Any:
+    if not isinstance(cmd, dict):
+        return {"error": "a command must be a map"}
+    result = state.apply(cmd)
+    try:
+        on_applied(state, cmd, index)
+    except Exception:  # our caches are not the replicated state: never stop Raft
+        log.exception("handing an applied command to this node's caches failed")
+    return result
+
+
+class Feed:
+    """The log entries this member applied lately, for the members that follow the log
+    without voting (objcache.cluster.learner). Written on the thread that applies, read
+    from trio; `lock` also makes a snapshot of the state consistent with an index.
+
+    Every command entry with an index above `base` is held (other entries, pysyncobj's
+    no-ops and membership changes, change no state); older ones are dropped once the
+    feed holds more than `max_entries` or `max_bytes`.
+    """
+
+    def __init__(self, max_entries: int = FEED_ENTRIES, max_bytes: int = FEED_BYTES) -> None:
+        self.lock = threading.Lock()
+        self.entries: deque[tuple[int, bytes]] = deque()
+        self.bytes = 0
+        self.base = 0
+        self.last = 0  # index of the last entry added (0: none yet)
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.on_add: Callable[[], None] = _nothing
+
+    def add(self, index: int, blob: bytes) -> None:
+        """Under `lock`, right after the entry was applied to the state."""
+        if self.last == 0:
+            self.base = index - 1  # what came before was in the state we started from
+        self.entries.append((index, blob))
+        self.bytes += len(blob)
+        self.last = index
+        while self.entries and (len(self.entries) > self.max_entries
+                                or self.bytes > self.max_bytes):
+            idx, old = self.entries.popleft()
+            self.bytes -= len(old)
+            self.base = idx
+
+    def reset(self) -> None:
+        """The state was replaced (a snapshot was loaded): nothing held follows from it."""
+        self.entries.clear()
+        self.bytes = 0
+        self.last = 0
+
+    def since(self, after: int, max_bytes: int) -> list[tuple[int, bytes]] | None:
+        """Entries after index `after`, at least one and about `max_bytes` at most; None
+        if some of them are no longer held (the follower needs a snapshot)."""
+        with self.lock:
+            if after < self.base:
+                return None
+            out: list[tuple[int, bytes]] = []
+            size = 0
+            # Indexes rise by one or more per entry, so at most `last - after` entries
+            # follow `after`: start looking there.
+            start = max(0, len(self.entries) - max(0, self.last - after))
+            for i in range(start, len(self.entries)):
+                idx, blob = self.entries[i]
+                if idx <= after:
+                    continue
+                if out and size + len(blob) > max_bytes:
+                    break
+                out.append((idx, blob))
+                size += len(blob)
+            return out
+
+
+def _nothing() -> None:
     pass
 
 
@@ -86,6 +207,8 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
                  state: StateMachine, on_applied: Applied = _ignore) -> None:
         self.state = state
         self.on_applied = on_applied  # set before __init__: never dumped
+        self.feed = Feed()
+        self._fed_state = state
         super().__init__(self_addr, partners, conf=conf, transportClass=GuardedTransport)
         # pysyncobj dumps (log compaction, a snapshot sent to a new follower) only hold
         # attributes set after its __init__: the state must be one of them.
@@ -93,18 +216,111 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
 
     @replicated  # type: ignore[misc]
     def _apply(self, blob: bytes) -> Any:
+        # pysyncobj counts an entry as applied once this returns: this is the next one
+        index = self._SyncObj__raftLastApplied + 1
+        with self.feed.lock:
+            if self.state is not self._fed_state:  # a snapshot replaced the state
+                self.feed.reset()
+                self._fed_state = self.state
+            result = apply_entry(self.state, blob, index, self.on_applied)
+            self.feed.add(index, blob)
+        self.feed.on_add()
+        return index, result
+
+
+# Sends a batch of packed commands as one log entry within `timeout` seconds: each
+# command's result, in order, and the entry's log index. Raises NoQuorum.
+SendBatch = Callable[[list[bytes], float], Awaitable[tuple[list[Any], int]]]
+
+
+@dataclass(eq=False)
+class _Pending:
+    blob: bytes
+    queued: bool = True
+    abandoned: bool = False
+    done: bool = False
+    result: Any = None
+    index: int = 0
+    error: NoQuorum | None = None
+
+
+class Batcher:
+    """Group commit: the commands submitted while `in_flight` batches are on their way to
+    the log go together, as one entry, in the next batch. A lone command goes at once,
+    alone (no added latency); under load, one log entry (one round of messages to every
+    voter, one journal write) carries many commands. A batch is sent by one of the tasks
+    whose command it carries; a batch that fails fails all its commands with NoQuorum,
+    and their callers resubmit them (commands are exactly-once by transaction id)."""
+
+    def __init__(self, send: SendBatch, in_flight: int = BATCHES_IN_FLIGHT,
+                 max_bytes: int = BATCH_BYTES, max_commands: int = BATCH_COMMANDS) -> None:
+        self._send = send
+        self.in_flight_limit = in_flight
+        self.max_bytes = max_bytes
+        self.max_commands = max_commands
+        self._queue: deque[_Pending] = deque()
+        self._in_flight = 0
+        self._changed = trio.Event()
+        self.batches = 0
+        self.commands = 0
+
+    async def submit(self, blobs: list[bytes], timeout: float) -> tuple[list[Any], int]:
+        """Commit the commands; their results and the highest log index they came in."""
+        mine = [_Pending(b) for b in blobs]
+        self._queue.extend(mine)
+        deadline = trio.current_time() + timeout
+        with trio.move_on_at(deadline):
+            while not all(p.done for p in mine):
+                if self._in_flight < self.in_flight_limit and any(p.queued for p in mine):
+                    await self._send_next(deadline)
+                else:
+                    await self._changed.wait()
+        for p in mine:
+            if p.error is not None:
+                raise p.error
+        if not all(p.done for p in mine):
+            for p in mine:
+                p.abandoned = True
+            raise NoQuorum(f"the log took no command within {timeout:.1f}s")
+        return [p.result for p in mine], max(p.index for p in mine)
+
+    async def _send_next(self, deadline: float) -> None:
+        batch: list[_Pending] = []
+        size = 0
+        while self._queue and len(batch) < self.max_commands:
+            p = self._queue[0]
+            if p.abandoned:
+                self._queue.popleft()
+                continue
+            if batch and size + len(p.blob) > self.max_bytes:
+                break
+            self._queue.popleft()
+            p.queued = False
+            batch.append(p)
+            size += len(p.blob)
+        if not batch:
+            return
+        self._in_flight += 1
+        self.batches += 1
+        self.commands += len(batch)
         try:
-            cmd = msgpack.unpackb(blob, raw=False)
-        except Exception as e:  # the same bytes fail the same way everywhere
-            return {"error": f"undecodable command: {e}"}
-        if not isinstance(cmd, dict):
-            return {"error": "a command must be a map"}
-        result = self.state.apply(cmd)
-        try:
-            self.on_applied(self.state, cmd)
-        except Exception:  # our caches are not the replicated state: never stop Raft
-            log.exception("handing an applied command to this node's caches failed")
-        return result
+            results, index = await self._send([p.blob for p in batch],
+                                              max(0.1, deadline - trio.current_time()))
+            if len(results) != len(batch):
+                raise NoQuorum(f"a batch of {len(batch)} commands got {len(results)} results")
+            for p, r in zip(batch, results, strict=True):
+                p.result, p.index = r, index
+        except NoQuorum as e:
+            for p in batch:
+                p.error = e
+        finally:
+            for p in batch:
+                if not p.done and p.error is None and p.index == 0:
+                    p.error = NoQuorum("the task sending this command's batch was cancelled")
+                p.done = True
+            self._in_flight -= 1
+            self._changed.set()
+            self._changed = trio.Event()
 
 
 class RaftNode:
@@ -114,6 +330,11 @@ class RaftNode:
         self.addr = self_addr
         self._replica = _Replica(self_addr, [p for p in partners if p != self_addr],
                                  make_conf(data_dir, secret, self_addr), state, on_applied)
+        self.batcher = Batcher(self._send_batch)
+
+    @property
+    def feed(self) -> Feed:
+        return self._replica.feed
 
     @property
     def state(self) -> Any:
@@ -141,9 +362,36 @@ class RaftNode:
 
     async def submit(self, cmd: dict[str, Any], timeout: float = 10.0) -> Any:
         """Commit `cmd` through the log and return what applying it returned."""
-        blob = msgpack.packb(cmd, use_bin_type=True)
-        return await self._call(f"command {cmd.get('op')!r}", lambda cb: self._replica._apply(
-            blob, callback=cb, timeout=timeout), timeout)
+        results, _ = await self.batcher.submit([pack(cmd)], timeout)
+        return results[0]
+
+    async def submit_indexed(self, cmd: dict[str, Any], timeout: float = 10.0
+                             ) -> tuple[Any, int]:
+        """`submit`, and the index of the log entry the command came in."""
+        results, index = await self.batcher.submit([pack(cmd)], timeout)
+        return results[0], index
+
+    async def _send_batch(self, blobs: list[bytes], timeout: float) -> tuple[list[Any], int]:
+        # One command travels as itself; several as an array of their packed bytes.
+        blob = blobs[0] if len(blobs) == 1 else msgpack.packb(blobs, use_bin_type=True)
+        got = await self._call(f"batch of {len(blobs)}", lambda cb: self._replica._apply(
+            blob, callback=cb), timeout)
+        index, result = got
+        return ([result] if len(blobs) == 1 else list(result)), int(index)
+
+    def applied_index(self) -> int:
+        """The last log index applied here."""
+        return int(self._replica.raftLastApplied)
+
+    def snapshot(self) -> tuple[bytes, int]:
+        """The state, pickled, and the log index it reflects (for a learner)."""
+        r = self._replica
+        with r.feed.lock:
+            if r.state is not r._fed_state:
+                # pysyncobj is loading a snapshot of its own: its index may not match yet
+                raise NoQuorum("this member is loading a snapshot")
+            index = r.feed.last or int(r.raftLastApplied)
+            return pickle.dumps(r.state, protocol=pickle.HIGHEST_PROTOCOL), index
 
     def members(self) -> list[str]:
         """The Raft group as this node's log has it (itself included)."""
@@ -184,15 +432,36 @@ class RaftNode:
         st = self._replica.getStatus()
         leader = st.get("leader")
         return {"role": ROLES.get(st.get("state"), str(st.get("state"))),
+                "voter": True,
                 "term": st.get("raft_term"), "commit_index": st.get("commit_idx"),
                 "last_applied": st.get("last_applied"),
                 "apply_lag": max(0, (st.get("commit_idx") or 0) - (st.get("last_applied") or 0)),
                 "leader": None if leader is None else str(leader),
                 "partners": st.get("partner_nodes_count"),
-                "log_entries": st.get("log_len")}
+                "log_entries": st.get("log_len"),
+                "commands": getattr(self.state, "applied", None),
+                "batches": self.batcher.batches, "batched_commands": self.batcher.commands,
+                "thread_cpu_seconds": self._thread_cpu()}
+
+    def _thread_cpu(self) -> float | None:
+        """CPU time of pysyncobj's thread (all Raft messaging, the journal, applying)."""
+        thread = getattr(self._replica, "_SyncObj__thread", None)
+        tid = getattr(thread, "native_id", None)
+        if tid is None:
+            return None
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
 
     def destroy(self) -> None:
         self._replica.destroy()
+
+    def destroy_synchronous(self) -> None:
+        """Stop, and return once pysyncobj's thread has ended (nothing applies after)."""
+        self._replica.destroy_synchronous()
 
 
 def _reason(code: int) -> str:

@@ -1,0 +1,243 @@
+"""A member that follows the cluster's Raft log without voting: a learner.
+
+With every member voting, the leader sends every entry and every heartbeat to every
+member, so its work per commit and at rest grows with the cluster. The cluster keeps at
+most `--raft-voters` voters (5 by default: a quorum survives two failures); every other
+member is a learner (objcache.cluster.raftgroup decides who is which):
+
+- it takes the committed log from one voter, not the leader when it can: a long-poll
+  `raft_feed` request answers with the entries after the index it has applied (or, when it
+  is new or fell behind what the voter keeps, a snapshot of the state and its index), and
+  it applies them to its own copy of the state, in order, as a voter does;
+- it sends its commands to that voter (`raft_submit`); the voter commits them through the
+  voters, batched with its own and other learners' (objcache.raft.node.Batcher), and
+  answers with their results and the index of the entry they came in; submit returns once
+  this learner has applied that index, so a command's effects are visible here when it
+  returns, as on a voter (close-to-open holds on every member);
+- when its voter stops answering it follows another one; the answers name the voters.
+
+Learners spread over the voters (by a hash of their id), so the leader's cost per commit
+does not depend on how many learners there are, and a voter serves about
+(N - voters) / (voters - 1) learners.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import trio
+
+from objcache.cluster.membership import ALIVE
+from objcache.errors import NoQuorum
+from objcache.raft.node import Applied, Batcher, Feed, StateMachine, apply_entry, pack
+
+if TYPE_CHECKING:
+    from objcache.cluster.client import PeerClient
+    from objcache.cluster.membership import Member, Membership
+
+log = logging.getLogger(__name__)
+
+FEED_WAIT = 5.0  # a feed request waits this long for new entries before answering
+FEED_REPLY_BYTES = 8 << 20  # entries per answer (a single bigger entry still comes whole)
+MAX_FEED_DATA = 1 << 30  # what a snapshot may weigh
+AVOID_SECONDS = 3.0  # a source that could not answer is not asked again this long
+APPLY_SLICE = 64  # entries applied between two checkpoints of the event loop
+LEARNER_FEED_ENTRIES = 2_000
+LEARNER_FEED_BYTES = 2 << 20
+
+
+class Learner:
+    """Attributes:
+    state: the replicated state as this learner has applied it (replaced by a snapshot).
+    applied: the log index applied so far.
+    voters, leader, group: as the last answer named them (Raft addresses).
+    """
+
+    def __init__(self, client: PeerClient, membership: Membership, state: StateMachine,
+                 voters: list[str], group: str, on_applied: Applied,
+                 wait_applied: Callable[[int, float], Awaitable[None]],
+                 on_progress: Callable[[int], None]) -> None:
+        self.client = client
+        self.membership = membership
+        self.state = state
+        self.voters = list(voters)
+        self.group = group
+        self.leader: str | None = None
+        self.term = 0
+        self.commit = 0
+        self.applied = 0
+        self.source_applied = 0
+        self.source: str | None = None  # the member id we follow
+        # what we applied, for a learner that asks us (one just starting, mostly)
+        self.feed = Feed(max_entries=LEARNER_FEED_ENTRIES, max_bytes=LEARNER_FEED_BYTES)
+        self.snapshots = 0
+        self.stopped = False
+        self._on_applied = on_applied
+        self._wait_applied = wait_applied
+        self._on_progress = on_progress
+        self._avoid: dict[str, float] = {}
+        self._hash = zlib.crc32(membership.me.id.encode())
+        self.batcher = Batcher(self._send_batch)
+        self._cancel = trio.CancelScope()
+
+    # -- following ------------------------------------------------------------------------
+
+    def _member(self, raft_addr: str) -> Member | None:
+        for m in list(self.membership.members.values()):
+            if (m.raft == raft_addr and m.state == ALIVE
+                    and m.id not in self.membership.suspects):
+                return m
+        return None
+
+    def pick(self) -> str | None:
+        """The member to follow: a voter other than the leader (its work must not grow
+        with the learners), the same one while it answers, spread by our id."""
+        now = time.monotonic()
+        cands = sorted((m for m in (self._member(a) for a in self.voters if a != self.leader)
+                        if m is not None and self._avoid.get(m.id, 0) < now),
+                       key=lambda m: m.id)
+        if not cands and self.leader:
+            m = self._member(self.leader)
+            cands = [m] if m is not None and self._avoid.get(m.id, 0) < now else []
+        if not cands:  # nothing known yet: any member that follows a group may answer
+            cands = sorted((m for m in list(self.membership.members.values())
+                            if m.state == ALIVE and m.raft_n >= 1
+                            and m.id not in self.membership.suspects
+                            and self._avoid.get(m.id, 0) < now), key=lambda m: m.id)
+        if not cands:
+            return None
+        if self.source in {m.id for m in cands}:
+            return self.source
+        return cands[self._hash % len(cands)].id
+
+    async def run(self) -> None:
+        """Follow the log until stopped (a promotion to voter, or the node leaving)."""
+        with self._cancel:
+            while not self.stopped:
+                src = self.pick()
+                if src is None:
+                    await trio.sleep(0.2)
+                    continue
+                got = await self.client.call(src, {"op": "raft_feed", "after": self.applied,
+                                                   "group": self.group, "wait": FEED_WAIT},
+                                             max_data=MAX_FEED_DATA, timeout=FEED_WAIT + 10)
+                if self.stopped:
+                    return
+                if got is None:
+                    self._avoid[src] = time.monotonic() + AVOID_SECONDS
+                    if self.source == src:
+                        self.source = None
+                    await trio.sleep(0.05)
+                    continue
+                if self.source != src:
+                    log.info("raft: following the log from %s", src)
+                    self.source = src
+                await self._take(got[0], got[1])
+
+    def stop(self) -> None:
+        self.stopped = True
+        self._cancel.cancel()
+
+    async def _take(self, reply: dict[str, Any], data: Any) -> None:
+        voters = reply.get("voters")
+        if isinstance(voters, list) and all(isinstance(v, str) for v in voters) and voters:
+            self.voters = list(voters)
+        leader = reply.get("leader")
+        self.leader = leader if isinstance(leader, str) else None
+        for name in ("term", "commit"):
+            v = reply.get(name)
+            if isinstance(v, int):
+                setattr(self, name, max(getattr(self, name), v))
+        through = reply.get("through")
+        if not isinstance(through, int) or data is None:
+            return
+        group = reply.get("group")
+        if reply.get("snapshot"):
+            state = pickle.loads(bytes(data))  # from an authenticated member
+            with self.feed.lock:
+                self.state = state
+                self.feed.reset()
+                self.applied = through
+            if isinstance(group, str):
+                self.group = group
+            self.snapshots += 1
+            log.info("raft: took a snapshot of the state at index %d (%.0f KiB)", through,
+                     len(data) / 1024)
+        else:
+            entries = msgpack.unpackb(bytes(data), raw=False)
+            for n, (idx, blob) in enumerate(entries):
+                if idx <= self.applied:
+                    continue
+                with self.feed.lock:
+                    apply_entry(self.state, blob, idx, self._on_applied)
+                    self.feed.add(idx, blob)
+                self.applied = idx
+                self.feed.on_add()
+                if n % APPLY_SLICE == APPLY_SLICE - 1:
+                    self._on_progress(self.applied)
+                    await trio.lowlevel.checkpoint()
+                    if self.stopped:
+                        return
+            self.applied = max(self.applied, through)
+        self.source_applied = through
+        self._on_progress(self.applied)
+
+    # -- committing -----------------------------------------------------------------------
+
+    async def submit(self, cmd: dict[str, Any], timeout: float = 10.0) -> Any:
+        result, _ = await self.submit_indexed(cmd, timeout)
+        return result
+
+    async def submit_indexed(self, cmd: dict[str, Any], timeout: float = 10.0
+                             ) -> tuple[Any, int]:
+        """Commit `cmd` through a voter; its result once we have applied it here."""
+        deadline = trio.current_time() + timeout
+        results, index = await self.batcher.submit([pack(cmd)], timeout)
+        await self._wait_applied(index, deadline)
+        return results[0], index
+
+    async def _send_batch(self, blobs: list[bytes], timeout: float) -> tuple[list[Any], int]:
+        target = self.source or self.pick()
+        if target is None:
+            raise NoQuorum("no voter is reachable to take commands")
+        got = await self.client.call(target, {"op": "raft_submit", "cmds": blobs,
+                                              "timeout": min(timeout, 30.0)},
+                                     max_data=0, timeout=timeout + 1)
+        if got is None:
+            raise NoQuorum(f"{target} did not commit the commands")
+        results, index = got[0].get("results"), got[0].get("index")
+        if not isinstance(results, list) or not isinstance(index, int):
+            raise NoQuorum(f"{target} answered raft_submit without results")
+        return results, index
+
+    def applied_index(self) -> int:
+        return self.applied
+
+    def snapshot(self) -> tuple[bytes, int]:
+        with self.feed.lock:
+            return pickle.dumps(self.state, protocol=pickle.HIGHEST_PROTOCOL), self.applied
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def members(self) -> list[str]:
+        return sorted(self.voters)
+
+    def status(self) -> dict[str, Any]:
+        source = self.membership.members.get(self.source or "")
+        return {"role": "learner", "voter": False, "term": self.term,
+                "commit_index": self.commit, "last_applied": self.applied,
+                "apply_lag": max(0, self.source_applied - self.applied),
+                "leader": self.leader, "partners": None, "log_entries": None,
+                "commands": getattr(self.state, "applied", None),
+                "batches": self.batcher.batches, "batched_commands": self.batcher.commands,
+                "source": source.raft if source is not None else None,
+                "snapshots": self.snapshots, "thread_cpu_seconds": None}
+
+    def destroy(self) -> None:
+        self.stop()

@@ -1,0 +1,179 @@
+"""The SWIM-style membership protocol (objcache/cluster/membership.py), run in-process on
+trio's mock clock: many members on a fake network that can drop a member (it stops
+answering, as a SIGSTOPped or unplugged node does) or bring it back.
+
+What it must do: cost each node a bounded number of requests per period whatever the
+cluster's size (an all-to-all heartbeat costs N-1); find a silent member, route around it
+and take it off every ring within about --peer-timeout; take back a member that answers
+again; never revive a dead member on hearsay; spread a join to every node in a few
+periods."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from objcache.cluster.membership import ALIVE, DEAD, Member, Membership
+from objcache.errors import PeerError
+
+TIMEOUT = 4.0  # --peer-timeout: a period of 1 s
+
+
+class Net:
+    """Delivers requests between in-process members; a member that is `down` never
+    answers (the caller's timeout expires)."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, Membership] = {}
+        self.down: set[str] = set()
+        self.sent: dict[str, int] = {}
+
+    def pool(self, node: str) -> Pool:
+        return Pool(self, node)
+
+
+class Pool:
+    def __init__(self, net: Net, node: str) -> None:
+        self.net, self.node = net, node
+
+    async def request(self, addr: str, msg: dict[str, Any], *, timeout: float,
+                      **_: Any) -> tuple[dict[str, Any], None]:
+        self.net.sent[self.node] = self.net.sent.get(self.node, 0) + 1
+        target = self.net.nodes.get(addr)
+        if target is None or addr in self.net.down or self.node in self.net.down:
+            await trio.sleep(timeout)
+            raise PeerError(f"peer {addr} did not answer {msg.get('op')!r}")
+        await trio.sleep(0.001)
+        reply = await target.handle(self.node, msg)
+        if "error" in reply:
+            raise PeerError(reply["msg"])
+        return reply, None
+
+
+def make(net: Net, i: int, seeds: list[str]) -> Membership:
+    addr = f"n{i:03d}"
+    me = Member(addr, addr, 1 << 30, incarnation=1000 + i)
+    ms = Membership(me, seeds, net.pool(addr), TIMEOUT, used=lambda: 0,  # type: ignore[arg-type]
+                    clock=trio.current_time)
+    net.nodes[addr] = ms
+    return ms
+
+
+async def start(net: Net, nursery: trio.Nursery, n: int) -> list[Membership]:
+    out: list[Membership] = []
+    for i in range(n):
+        ms = make(net, i, [out[0].me.addr] if out else [])
+        await ms.join()
+        nursery.start_soon(ms.run)
+        out.append(ms)
+    return out
+
+
+def alive_view(ms: Membership) -> set[str]:
+    return set(ms.ring.members)
+
+
+async def until(pred: Any, limit: float, step: float = 0.25) -> float:
+    t0 = trio.current_time()
+    while not pred():
+        assert trio.current_time() - t0 < limit, "not within the time allowed"
+        await trio.sleep(step)
+    return trio.current_time() - t0
+
+
+@pytest.fixture(autouse=True)
+def _fake_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def expand(self: Membership) -> list[str]:
+        return list(self.seeds)
+    monkeypatch.setattr(Membership, "_expand_seeds", expand)
+
+
+@pytest.mark.parametrize("n", [8, 32])
+async def test_requests_per_node_do_not_grow_with_the_cluster(autojump_clock: Any,
+                                                             n: int) -> None:
+    net = Net()
+    async with trio.open_nursery() as nursery:
+        nodes = await start(net, nursery, n)
+        await until(lambda: all(alive_view(m) == set(net.nodes) for m in nodes), 60)
+        net.sent.clear()
+        await trio.sleep(60)  # 60 periods
+        per_node_per_period = sum(net.sent.values()) / n / 60
+        nursery.cancel_scope.cancel()
+    # One probe per period each (an all-to-all heartbeat would be n - 1 = 7 or 31).
+    assert per_node_per_period <= 1.1, per_node_per_period
+
+
+async def test_a_join_reaches_every_node_in_a_few_periods(autojump_clock: Any) -> None:
+    net = Net()
+    async with trio.open_nursery() as nursery:
+        nodes = await start(net, nursery, 16)
+        await until(lambda: all(alive_view(m) == set(net.nodes) for m in nodes), 60)
+        late = make(net, 99, [nodes[5].me.addr])
+        await late.join()
+        nursery.start_soon(late.run)
+        assert alive_view(late) == set(net.nodes)  # the seed's whole view, at once
+        took = await until(lambda: all(late.me.id in alive_view(m) for m in nodes), 60,
+                           step=0.1)
+        nursery.cancel_scope.cancel()
+    assert took < 3 * math.log2(17), took
+
+
+async def test_a_silent_member_is_routed_around_then_taken_off_every_ring(
+        autojump_clock: Any) -> None:
+    net = Net()
+    suspected: list[tuple[str, str, float]] = []
+    async with trio.open_nursery() as nursery:
+        nodes = await start(net, nursery, 16)
+        for m in nodes:
+            m.on_suspect = lambda node, m=m: suspected.append(  # type: ignore[misc]
+                (m.me.id, node, trio.current_time()))
+        await until(lambda: all(alive_view(m) == set(net.nodes) for m in nodes), 60)
+        victim = nodes[7].me.id
+        net.down.add(victim)
+        t0 = trio.current_time()
+        others = [m for m in nodes if m.me.id != victim]
+        await until(lambda: all(victim not in alive_view(m) for m in others), 60, step=0.1)
+        gone = trio.current_time() - t0
+        assert all(m.members[victim].state == DEAD for m in others)
+        # Someone suspected it (and gave up on what waited on it) well before that.
+        first = min(t for _, node, t in suspected if node == victim) - t0
+        nursery.cancel_scope.cancel()
+    assert first < TIMEOUT, first
+    assert gone < 2 * TIMEOUT, gone
+
+
+async def test_a_member_that_answers_again_comes_back_everywhere(autojump_clock: Any
+                                                                 ) -> None:
+    net = Net()
+    async with trio.open_nursery() as nursery:
+        nodes = await start(net, nursery, 12)
+        await until(lambda: all(alive_view(m) == set(net.nodes) for m in nodes), 60)
+        victim = nodes[3]
+        net.down.add(victim.me.id)  # SIGSTOP: it neither answers nor sends
+        others = [m for m in nodes if m is not victim]
+        await until(lambda: all(victim.me.id not in alive_view(m) for m in others), 60)
+        net.down.discard(victim.me.id)  # SIGCONT
+        await until(lambda: all(alive_view(m) == set(net.nodes) for m in nodes), 60)
+        assert victim.me.seq > 0  # it refuted its death with a newer version
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dead_member_is_not_revived_by_hearsay(autojump_clock: Any) -> None:
+    net = Net()
+    async with trio.open_nursery() as nursery:
+        nodes = await start(net, nursery, 6)
+        await until(lambda: all(alive_view(m) == set(net.nodes) for m in nodes), 60)
+        victim = nodes[2]
+        stale = victim.me.record()  # what gossip said of it while it lived
+        net.down.add(victim.me.id)
+        victim_gone = [m for m in nodes if m is not victim]
+        await until(lambda: all(victim.me.id not in alive_view(m) for m in victim_gone), 60)
+        nursery.cancel_scope.cancel()
+    watcher = nodes[0]
+    watcher._news([[ALIVE, stale]])  # an old "alive" from a node that did not hear yet
+    assert watcher.members[victim.me.id].state == DEAD
+    assert victim.me.id not in alive_view(watcher)
