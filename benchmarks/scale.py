@@ -69,10 +69,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """Resident MB (VmRSS; RssAnon: heap and anonymous maps; RssFile: mapped files)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
 
@@ -264,6 +265,8 @@ class Scale:
                 "idle_cpu_max_daemon_cores": round(max(cpu), 4),
                 "idle_cpu_watchdogs_cores": round(dogs_cpu, 4),
                 "rss_max_mb": round(max(rss), 1),
+                "rss_max_anon_file_mb": [round(rss_mb(pids[rss.index(max(rss))], f), 1)
+                                         for f in ("RssAnon", "RssFile")],
                 "rss_median_mb": round(statistics.median(rss), 1),
                 "peer_requests_per_node_s": round(statistics.mean(per_node_req), 2),
                 "by_role": {k: round(max(v), 4) for k, v in by_role.items()}}

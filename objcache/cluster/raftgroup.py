@@ -69,6 +69,7 @@ PROMOTE_WAIT = 120.0  # a promoted learner's voter has this long to catch up
 PROMOTE_RETRY = 30.0  # a learner that failed a promotion is not asked again this long
 LEADERLESS_CHECK = 3.0  # a voter without a leader this long asks whether it still votes
 MAX_FEED_WAIT = 10.0
+FORM_WAIT = 3.0  # a starting node lets a member with a lower id form the group this long
 MAX_SUBMIT_COMMANDS = 10_000
 T = TypeVar("T")
 
@@ -181,6 +182,14 @@ class RaftGroup(Generic[T]):
             self._become_voter(json.loads((self.dir / "partners.json").read_text()))
             return
         best = self._best_group()
+        deadline = time.monotonic() + FORM_WAIT
+        while best is None and time.monotonic() < deadline and any(
+                m.state == ALIVE and m.raft and m.id < self.membership.me.id
+                for m in self.membership.members.values()):
+            # Members starting with us: the one with the lowest id forms the group, the
+            # others wait for it rather than form groups of one that must merge later
+            await trio.sleep(0.2)
+            best = self._best_group()
         if best is None:
             self.group = f"{self.membership.me.id}/{uuid.uuid4().hex[:12]}"
             self._become_voter([])
