@@ -176,9 +176,12 @@ class Backend(Protocol):
         carries them now, if they went there at once."""
         ...
 
-    async def close(self, key: str, lf: LocalFile) -> FileEntry | None:
+    async def close(self, key: str, lf: LocalFile, final: bool = False
+                    ) -> FileEntry | None:
         """close() of a handle that wrote: make the working copy's content durable (the
-        close-to-open point). The entry now recorded for the file, if any."""
+        close-to-open point). The entry now recorded for the file, if any. `final`: no
+        handle open for writing is left after this one (nothing we know of writes the
+        working copy again before it is opened anew)."""
         ...
 
     async def fsync(self, key: str, lf: LocalFile) -> FileEntry | ObjectRef | None:

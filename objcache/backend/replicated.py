@@ -250,7 +250,8 @@ class ReplicatedBackend:
         self.local.mark_dirty(lf)  # committed with the content at close
         return None
 
-    async def close(self, key: str, lf: LocalFile) -> FileEntry | None:
+    async def close(self, key: str, lf: LocalFile, final: bool = False
+                    ) -> FileEntry | None:
         """Seal the content, replicate it, commit it (close() returns after)."""
         async with lf.lock:
             self.local.observe(lf)  # (writes the kernel made without us, if any)
@@ -259,18 +260,20 @@ class ReplicatedBackend:
             version = lf.version
             await self.local.materialize_all(lf)
             cid = self.txn.new_cid()
-            if self.local.bypassed(lf):
-                # The kernel writes this file without us (passthrough): later writes, by
-                # another descriptor or a shared mapping, would change a hard-linked blob
-                # unseen. The blob is a copy, made while the staged digests are checked.
-                staged = await self._finish_and_copy(lf, cid)
-            else:
-                staged = await self.stager.finish(lf)
+            if not self.local.bypassed(lf):
+                staged = (await self.stager.finish(lf)).staged
                 # The blob is a hard link to the working copy: it takes over the bytes'
                 # charge (a write after this copies the file, and charges the copy).
                 self.local.hand_over_charge(lf)
                 self.dirty.seal(cid, lf.path, lf.size)
                 lf.shared = True
+            elif final:
+                staged = await self._finish_and_link(lf, cid)
+            else:
+                # The kernel writes this file without us (passthrough), and a handle open
+                # for writing stays: the blob is a copy, made while the staged digests are
+                # checked.
+                staged = await self._finish_and_copy(lf, cid)
             try:
                 holders = await self.txn.replicate(lf.key, cid, lf.size, staged)
             finally:
@@ -313,11 +316,41 @@ class ReplicatedBackend:
         """In a cluster, durable = replicated and committed (upload is the owner's)."""
         return await self.close(key, lf)
 
+    async def _finish_and_link(self, lf: LocalFile, cid: str) -> dict[str, tuple[str, int]]:
+        """Seal a file the kernel wrote without us, now that no handle open for writing
+        is left: the blob is a hard link to the working copy (no copy). Something may
+        still write the file unseen (a shared mapping outlives its close, a descriptor
+        passed to another process), so the digests of what is committed are kept: before
+        the working copy is written again the blob gets a file of its own, kept only if
+        it still holds these bytes (`DirtyStore.detach`). A write the kernel makes
+        meanwhile is taken in as a new version (`_linger`) and committed over this one."""
+        fin = await self.stager.finish(lf)
+        digests = fin.digests
+        done = digests[-1][1] if digests else 0
+        if lf.size > done or not digests:
+            tail = [(done, lf.size)]
+            digests = digests + [(done, lf.size, d)
+                                 for d in await self.local.digests(lf.path, tail)]
+
+        async def check(copy: str) -> bool:
+            ranges = [(start, end) for start, end, _ in digests]
+            return await self.local.digests(copy, ranges) == [d for *_, d in digests]
+
+        async def detach() -> None:
+            await self.dirty.detach(cid, lf.path, check)
+
+        self.local.hand_over_charge(lf)  # (the blob's bytes from now on)
+        self.dirty.seal(cid, lf.path, lf.size)
+        lf.linked = detach
+        if self.local.observe(lf):
+            log.info("%r changed while its close sealed it", lf.key)
+        return fin.staged
+
     async def _finish_and_copy(self, lf: LocalFile, cid: str) -> dict[str, tuple[str, int]]:
         staged: dict[str, tuple[str, int]] = {}
 
         async def finish() -> None:
-            staged.update(await self.stager.finish(lf))
+            staged.update((await self.stager.finish(lf)).staged)
 
         async with trio.open_nursery() as n:
             n.start_soon(finish)
@@ -344,7 +377,8 @@ class ReplicatedBackend:
             self.local.observe(lf)
             if lf.dirty and lf.opens == 0 and not lf.removed:
                 try:
-                    await self.close(lf.key, lf)  # written through a mapping: commit it
+                    # written through a mapping: commit it
+                    await self.close(lf.key, lf, final=lf.writers == 0)
                 except ObjcacheError as e:
                     log.error("could not commit what was written to %r through a mapping "
                               "after its close: %s", lf.key, e)

@@ -1285,7 +1285,8 @@ class Filesystem:
         inode, writable = self._opening(ino, flags)
         self._apply_changes(self.backend.take_changes())
         lf = self._caught_up(inode)
-        if self._stale_for_open(inode, lf) or (writable and flags & os.O_TRUNC):
+        if self._stale_for_open(inode, lf) or (writable and flags & os.O_TRUNC) or (
+                writable and lf is not None and (lf.shared or lf.linked is not None)):
             return None
         source = self._source(inode)
         if self._landing(inode, lf, source):
@@ -1307,6 +1308,10 @@ class Filesystem:
             # O_TRUNC changes the file (and its mtime) even when it is empty already.
             lf = lf or await self._working_copy(inode, empty=True)
             await self.local.truncate(lf, 0)
+        if writable and lf is not None:
+            # A sealed blob sharing the working copy's file gets its own before a writer
+            # may write the file (without us, through passthrough).
+            await self.local.unshare(lf)
         source = self._source(inode)
         if self._landing(inode, lf, source):
             ref = source.ref  # type: ignore[attr-defined]
@@ -1482,9 +1487,15 @@ class Filesystem:
         if h.backed and h.lf is not None:
             self.local.observe(h.lf)
         if h.lf is not None and h.lf.dirty and not h.lf.removed:
-            e = await self.backend.close(h.inode.key, h.lf)
+            e = await self.backend.close(h.inode.key, h.lf, final=self._last_writer(h))
             if e is not None:
                 self._show_own(h.inode, e)
+
+    @staticmethod
+    def _last_writer(h: FileHandle) -> bool:
+        """Whether no other handle open for writing shares `h`'s working copy."""
+        assert h.lf is not None
+        return h.lf.writers - int(h.writable) == 0
 
     async def fsync(self, fh: int) -> None:
         h = self.handle(fh)
@@ -1521,7 +1532,7 @@ class Filesystem:
         if h.writable and lf.dirty and not lf.removed:
             # Written after the last flush (a dup'ed descriptor, mmap write-back).
             try:
-                e = await self.backend.close(h.inode.key, lf)
+                e = await self.backend.close(h.inode.key, lf, final=self._last_writer(h))
                 if e is not None:
                     self._show_own(h.inode, e)
             except ObjcacheError as ex:
@@ -1578,7 +1589,7 @@ class Filesystem:
             if lf.opens == 0 and not lf.removed:
                 # truncate(2)/chmod(2) on a path: as if opened, changed and closed.
                 if lf.dirty:
-                    e = await self.backend.close(inode.key, lf)
+                    e = await self.backend.close(inode.key, lf, final=lf.writers == 0)
                     if e is not None:
                         self._show_own(inode, e)
                 self.backend.released(lf)
