@@ -712,11 +712,11 @@ class Filesystem:
                 # being read are fetched whole (see _head_file): a shorter window.
                 window = pf.window(bool(d.read_children))
                 if pf.next > pf.cursor + window:
-                    with trio.move_on_after(self.ttl):
+                    with trio.move_on_after(self.ttl) as waited:
                         await pf.moved.wait()
-                    if pf.next > pf.cursor + window:
+                    if waited.cancelled_caught:
                         return
-                    continue
+                    continue  # (they moved, maybe not yet into reach: wait on)
                 batch: list[Inode] = []
                 while (pf.next < len(pf.names) and pf.next <= pf.cursor + window
                        and len(batch) < META_BATCH):
