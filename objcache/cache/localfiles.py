@@ -544,6 +544,15 @@ class LocalFiles:
         self.by_key[new_key] = lf
         self._save(lf)
 
+    def set_aside(self, lf: LocalFile) -> None:
+        """`lf` (clean, still open here) no longer shows its key: another node committed a
+        newer version. New opens and reads by name see that version; the handles that
+        have `lf` open keep it, and a write and close through them commits it (the last
+        close wins). Forgotten (`remove`) when its last handle closes."""
+        if self.by_key.get(lf.key) is lf:
+            del self.by_key[lf.key]
+        self.db.execute("DELETE FROM files WHERE fid=?", (lf.fid,))
+
     def remove(self, lf: LocalFile) -> None:
         """Forget the file; its data goes once no handle has it open."""
         if lf.removed:
