@@ -375,7 +375,7 @@ class ReplicatedBackend:
                          "it", lf.key)
                 try:
                     await self.close(lf.key, lf)  # written through a mapping: commit it
-                except ObjcacheError as e:
+                except (ObjcacheError, OSError) as e:  # (removed meanwhile: OSError)
                     log.error("could not commit what was written to %r through a mapping "
                               "after its close: %s", lf.key, e)
         if lf.opens == 0 and not lf.dirty and not lf.removed:
