@@ -56,6 +56,7 @@ BARRIER = 3.0  # objcache.txn.coordinator.BARRIER_TIMEOUT: an open's wait for th
 # After a barrier fails, a node serves what it applied for DEGRADED_FOR (5 s): reads on a
 # node cut off from the majority within this long may be stale (docs/semantics.md).
 STALE_WINDOW = BARRIER + 5.0
+S3_RETRY = 60.0  # the daemons' --s3-retry-seconds (default)
 
 
 def payload(wid: str) -> bytes:
@@ -213,6 +214,11 @@ class Timeline:
             if down or node in s3 or any(node in pair for pair in dropped):
                 return False
         return True
+
+    def s3_lost(self, node: int, t0: float, t1: float) -> bool:
+        """Whether `node` could not reach S3 at some time in [t0, t1]."""
+        i0, i1 = self._at(t0), self._at(t1)
+        return any(node in m[3] for m in self.marks[i0:i1 + 1])
 
     def down_during(self, node: int, t0: float, t1: float) -> bool:
         """Whether `node` was killed or stopped at some time in [t0, t1] (its mount was
@@ -470,14 +476,17 @@ def run(net: TestNet, cluster: Cluster, s3: Any, bucket: str, seconds: float, se
 
 # -- checking ----------------------------------------------------------------------------
 
-def bound(op: Op) -> float:
+def bound(op: Op, s3_lost: bool = False) -> float:
     """The longest an operation may take before it answers EIO (docs/semantics.md, "A node
     cut off from the majority"): a change tries to commit for --txn-timeout, then settles
     its outcome for as long again; a read waits --peer-timeout for a holder, after the
-    peer requests' own timeout. Plus 5 s of slack for a loaded 2-core machine."""
+    peer requests' own timeout. Plus 5 s of slack for a loaded 2-core machine; plus
+    --s3-retry-seconds if the node lost S3 meanwhile (an open may HEAD the object, an
+    unlink or rename HEADs it, and S3 requests are retried that long)."""
+    s3 = S3_RETRY if s3_lost else 0.0  # (a node without S3 retries its requests first)
     if op.op == "read":
-        return BARRIER + PEER_TIMEOUT * 2 + 5
-    return BARRIER + 2 * TXN_TIMEOUT + PEER_TIMEOUT * 2 + 5
+        return BARRIER + PEER_TIMEOUT * 2 + 5 + s3
+    return BARRIER + 2 * TXN_TIMEOUT + PEER_TIMEOUT * 2 + 5 + s3
 
 
 def _allowed_final(v: str, writes: list[Op]) -> str | None:
@@ -594,9 +603,10 @@ def check(res: Result, nodes: list[Mount], s3: Any, bucket: str, timeline: Timel
             took = o.t1 - o.t0
             res.eios.append(f"{o.res} {o.op} {o.key} on n{o.node} at {o.t0 - res.t_start:.1f}s"
                             f" after {took:.1f}s; {timeline.cut_off_in(o.node, o.t0, o.t1)}")
-            if took > bound(o):
+            limit = bound(o, timeline.s3_lost(o.node, o.t0, o.t1))
+            if took > limit:
                 res.errors.append(f"{o.res} of {o.op} {o.key} on n{o.node} after {took:.1f}s "
-                                  f"(bound {bound(o):.0f}s)")
+                                  f"(bound {limit:.0f}s)")
             if o.op == "read" and timeline.whole(o.node, o.t0 - PEER_TIMEOUT, o.t1):
                 res.errors.append(f"{o.res} of read {o.key} on n{o.node} while every node "
                                   "and S3 was reachable")
