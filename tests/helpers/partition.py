@@ -396,6 +396,13 @@ class Nemesis:
         time.sleep(self.rng.uniform(0.2, 1.5))
         if wipe:
             shutil.rmtree(m.cache, ignore_errors=True)
+            if "--peers" not in m.extra:
+                # The first node was started with no one to join; without its cache dir
+                # (its Raft journal and partners) it would form a cluster of its own, as
+                # a node configured without --peers does. A deployment gives every node
+                # its peers (docs/kubernetes.md).
+                m.extra = (*m.extra, "--peers", ",".join(
+                    x.addr for x in self.nodes if x is not m))  # type: ignore[attr-defined]
         m.start(timeout=120)
         self.down.discard(i)
         self._mark()
