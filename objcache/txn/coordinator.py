@@ -32,6 +32,7 @@ from objcache.errors import (
     NotFound,
     PeerError,
     ProtocolError,
+    StaleObject,
     error_from_code,
 )
 from objcache.txn.dirtystore import PIECE, DirtyStore
@@ -324,15 +325,25 @@ class TxnClient:
         until --peer-timeout has passed since the first try, then PeerError."""
         ms = self.node.membership
         deadline = time.monotonic() + ms.timeout
+        gone: set[str] = set()  # holders that answered they do not hold it (any more)
         while True:
             for node in holders:
-                if node == self.node_id or ms.addr_of(node) is None:
+                if node == self.node_id or node in gone or ms.addr_of(node) is None:
                     continue
-                got = await self.node.client.call(node, {"op": "dread", "cid": cid, **ask},
-                                                  max_data=length, into=into,
-                                                  timeout=self.node.request_timeout)
+                try:
+                    got = await self.node.client.call(
+                        node, {"op": "dread", "cid": cid, **ask}, max_data=length,
+                        into=into, timeout=self.node.request_timeout)
+                except NotFound:
+                    gone.add(node)
+                    continue
                 if got is not None and got[1] is not None:
                     return got[1]
+            if gone and gone >= set(holders) - {self.node_id}:
+                # Every holder dropped it: a newer version replaced this one, and our view
+                # is older (a node cut off from the majority serves what it applied).
+                # ESTALE, as for a handle whose version is gone: reopen to see the file.
+                raise StaleObject(f"blob {cid} is no longer held by {', '.join(holders)}")
             if time.monotonic() >= deadline:
                 raise PeerError(f"no holder of blob {cid} ({', '.join(holders)}) could "
                                 f"serve it within {ms.timeout:g}s")
