@@ -1497,7 +1497,26 @@ class Filesystem:
                 self.notify.inode(inode.ino)
             raise
         if e is not None:
-            self._show_own(inode, e)
+            self._show_committed(inode, lf, e)
+
+    def _show_committed(self, inode: Inode, lf: LocalFile, e: FileEntry) -> None:
+        """Our close committed `e`. Another node's commit of the key may have come after
+        it in the log and been applied while the close returned (skipped then: `lf` was
+        still dirty): then the inode shows that newer entry and `lf` is set aside, or
+        this node went on showing its own older bytes (the partition nemesis: one node
+        disagreed with the others and S3 for good)."""
+        cur = self.backend.entry(inode.key)
+        if (isinstance(cur, FileEntry) and cur.ver > e.ver and not inode.detached
+                and cur.content != e.content):
+            if not lf.dirty and not lf.removed:
+                if lf.opens == 0:
+                    self.local.remove(lf)
+                else:
+                    self.local.set_aside(lf)
+            self._show(inode, cur)
+            self.notify.inode(inode.ino)
+            return
+        self._show_own(inode, e)
 
     async def fsync(self, fh: int) -> None:
         h = self.handle(fh)
