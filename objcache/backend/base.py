@@ -67,6 +67,10 @@ class Stats:
     streamed: int = 0  # files whose upload ran while they were written
     stream_fallbacks: int = 0  # streams given up (a write behind the seal): sent whole
     quarantined: int = 0  # files S3 refused for good, kept in the cache dir's lost+found/
+    # cluster: changes that answered ETIMEDOUT and are not settled yet, and the outcomes
+    # of the last ones settled (objcache.txn.coordinator.TxnClient.submit)
+    in_doubt: tuple[str, ...] = ()
+    settled: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from objcache.entries import (
     attrs_wire,
     to_wire,
 )
-from objcache.errors import Gone, ObjcacheError, StoreRefused
+from objcache.errors import Gone, InDoubt, NoQuorum, ObjcacheError, StoreRefused
 from objcache.store.meta import parse_meta
 from objcache.txn.flusher import ClusterFlusher
 from objcache.txn.overlay import OverlayStore
@@ -78,6 +78,7 @@ class ReplicatedBackend:
         self._nursery: trio.Nursery | None = None
         self._applied = applied
         self._waiting: list[Applied] = []
+        self._withdrawn: set[int] = set()  # working copies whose close failed (`_withdraw`)
         self.uid, self.gid = os.getuid(), os.getgid()  # owner of objects without metadata
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -86,6 +87,7 @@ class ReplicatedBackend:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self.flusher.run)
+            nursery.start_soon(self.txn.settle_loop)
             await self._stage_while_writing(nursery)
 
     async def _stage_while_writing(self, nursery: trio.Nursery) -> None:
@@ -285,6 +287,9 @@ class ReplicatedBackend:
             try:
                 try:
                     ver = await self._submit(cmd)
+                except NoQuorum as ex:
+                    self._withdraw(lf, version, cid, ex)
+                    raise
                 except Gone:
                     if not await self._written_back_meanwhile(lf.key):
                         raise
@@ -301,7 +306,24 @@ class ReplicatedBackend:
                 lf.dirty = False
                 lf.dirty_since = None
                 self.local.save(lf)
+            log.debug("close of %r committed: blob %s, %d bytes, ver %d", lf.key, cid,
+                      lf.size, ver)
             return replace(e, ver=ver)
+
+    def _withdraw(self, lf: LocalFile, version: int, cid: str, ex: NoQuorum) -> None:
+        """A close whose commit failed (EIO: fenced, it never takes effect) or is in doubt
+        (ETIMEDOUT: only its fence decides): what it wrote is no longer this node's to
+        commit. Left dirty, the working copy was committed again by the release that
+        follows the failed close, or by the next close here, once the network healed:
+        the failed write took effect after all (the partition nemesis; issue 27)."""
+        if lf.version == version:
+            lf.dirty = False
+            lf.dirty_since = None
+            self.local.save(lf)
+        if not isinstance(ex, InDoubt):
+            self.dirty.drop(cid)  # referenced by no entry, now or later
+        self._withdrawn.add(lf.fid)
+        log.warning("close of %r failed (%s): what it wrote is withdrawn", lf.key, ex)
 
     async def _written_back_meanwhile(self, key: str) -> bool:
         """Whether `key` has no entry (not even a tombstone) because its owner uploaded it
@@ -364,6 +386,12 @@ class ReplicatedBackend:
     def released(self, lf: LocalFile) -> None:
         if lf.dirty or lf.opens:
             return
+        if lf.fid in self._withdrawn:
+            # Its last close failed: the file is what the log says, not this copy (which
+            # would go on answering reads here while watched for mapping writes).
+            self._withdrawn.discard(lf.fid)
+            self.local.remove(lf)
+            return
         if self.local.bypassed(lf) and self._nursery is not None:
             # A shared mapping may write it after its last close, and the kernel tells
             # us nothing of it: it is looked at until that watch ends.
@@ -376,10 +404,12 @@ class ReplicatedBackend:
             await trio.sleep(LINGER_LOOK)
             self.local.observe(lf)
             if lf.dirty and lf.opens == 0 and not lf.removed:
+                log.info("%r changed after its last close (a shared mapping?): committing "
+                         "it", lf.key)
                 try:
                     # written through a mapping: commit it
                     await self.close(lf.key, lf, final=lf.writers == 0)
-                except ObjcacheError as e:
+                except (ObjcacheError, OSError) as e:  # (removed meanwhile: OSError)
                     log.error("could not commit what was written to %r through a mapping "
                               "after its close: %s", lf.key, e)
         if lf.opens == 0 and not lf.dirty and not lf.removed:
@@ -410,7 +440,9 @@ class ReplicatedBackend:
     def stats(self) -> Stats:
         files, nbytes, oldest = self.flusher.dirty_summary()
         return Stats(files, nbytes, oldest, self.flusher.uploaded, self.flusher.failed,
-                     quarantined=self.flusher.quarantine.count)
+                     quarantined=self.flusher.quarantine.count,
+                     in_doubt=tuple(self.txn.in_doubt.values()),
+                     settled=tuple(self.txn.settled))
 
 
 def _attr_list(a: Attrs) -> list[int]:

@@ -10,6 +10,7 @@ to the state database before the FUSE call returns, so `kill -9` loses no closed
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat as stat_mod
@@ -82,6 +83,9 @@ def _copy_file(src_path: str, dst_path: str) -> None:
             off += os.copy_file_range(src.fileno(), dst.fileno(), n - off)
 
 
+_ASIDE = "\0aside/"  # the journal key of a file set aside (never an S3 key)
+
+
 class LocalFile:
     """Attributes:
     version: bumped by every change; an upload clears `dirty` only if it is unchanged.
@@ -102,7 +106,7 @@ class LocalFile:
 
     __slots__ = ("fid", "key", "path", "base_key", "base_etag", "base_size", "base_limit",
                  "materialized", "size", "mode", "uid", "gid", "mtime_ns", "atime_ns",
-                 "ctime_ns", "dirty",
+                 "ctime_ns", "dirty", "aside",
                  "dirty_since", "etag", "version", "writers", "opens", "lock", "fd",
                  "last_change", "removed", "charged", "urgent", "shared", "unsharing",
                  "sealed", "seal_broken", "bypass", "seen", "watch_until", "linked")
@@ -127,6 +131,7 @@ class LocalFile:
         self.dirty_since: float | None = None
         self.etag: str | None = None
         self.version = 0
+        self.aside = False  # no longer shows its key (`LocalFiles.set_aside`)
         self.writers = 0
         self.opens = 0
         self.lock = trio.Lock()
@@ -194,6 +199,11 @@ class LocalFiles:
         for (fid, key, bkey, betag, bsize, blimit, mat, _size, mode, uid, gid, mtime_ns,
              atime_ns, ctime_ns, dirty, dirty_since, etag) in rows:
             lf = LocalFile(fid, key, str(self.root / str(fid)))
+            if key.startswith(_ASIDE):  # set aside, then the daemon stopped: nobody's
+                self.db.execute("DELETE FROM files WHERE fid=?", (fid,))
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lf.path)
+                continue
             try:
                 # The data file is the truth for the size: writes after the last journal
                 # update (an unclosed file at a crash) are in it too.
@@ -232,7 +242,8 @@ class LocalFiles:
             "UPDATE files SET key=?, base_key=?, base_etag=?, base_size=?, base_limit=?, "
             "materialized=?, size=?, mode=?, uid=?, gid=?, mtime_ns=?, atime_ns=?, ctime_ns=?, "
             "dirty=?, dirty_since=?, etag=? WHERE fid=?",
-            (lf.key, lf.base_key, lf.base_etag, lf.base_size, lf.base_limit,
+            (_ASIDE + str(lf.fid) if lf.aside else lf.key, lf.base_key, lf.base_etag,
+             lf.base_size, lf.base_limit,
              _pack(lf.materialized), lf.size, lf.mode, lf.uid, lf.gid, lf.mtime_ns,
              lf.atime_ns, lf.ctime_ns, int(lf.dirty), lf.dirty_since, lf.etag, lf.fid))
 
@@ -575,6 +586,19 @@ class LocalFiles:
         lf.key = new_key
         lf.seal_broken = lf.seal_broken or lf.sealed > 0  # a multipart upload has one key
         self.by_key[new_key] = lf
+        self._save(lf)
+
+    def set_aside(self, lf: LocalFile) -> None:
+        """`lf` (clean, still open here) no longer shows its key: another node committed a
+        newer version. New opens and reads by name see that version; the handles that
+        have `lf` open keep it, and a write and close through them commits it (the last
+        close wins). Forgotten (`remove`) when its last handle closes."""
+        if self.by_key.get(lf.key) is lf:
+            del self.by_key[lf.key]
+        # Its row stays (under a key no file has: the key is UNIQUE, and a new working
+        # copy of the key may come), so that its fid, which names its data file, is not
+        # handed to another file while it lives.
+        lf.aside = True
         self._save(lf)
 
     def remove(self, lf: LocalFile) -> None:

@@ -64,11 +64,19 @@ def make_conf(data_dir: Path, secret: str, bind: str | None = None) -> SyncObjCo
         journalFile=str(data_dir / "raft.journal"),
         fullDumpFile=str(data_dir / "raft.dump"),
         dynamicMembershipChange=True,
-        commandsWaitLeader=True,
+        # Without a leader a command fails at once (MISSING_LEADER) and `_call` tries it
+        # again until its timeout. pysyncobj's own wait keeps the command in its queue
+        # with no deadline: a close that had answered EIO was sent when the network
+        # healed, and took effect (the partition nemesis).
+        commandsWaitLeader=False,
         autoTick=True,
         raftMinTimeout=0.4,
         raftMaxTimeout=1.4,
         connectionTimeout=3.5,
+        # A leader that has heard from no majority for this long steps down (pysyncobj's
+        # default is 30 s): a leader cut off from the majority stops taking commands
+        # (which could only be settled after the heal, as in doubt) within seconds.
+        leaderFallbackTimeout=3.5,
         logCompactionMinEntries=200_000,
         logCompactionMinTime=600,
         # one command up to this size travels as one message; bigger ones would take
@@ -121,23 +129,57 @@ class RaftNode:
 
     async def _call(self, what: str, start: Any, timeout: float) -> Any:
         """Run a pysyncobj call that reports through callback(result, error) and wait for
-        it from trio; NoQuorum if it fails or does not answer within `timeout`."""
+        it from trio; NoQuorum if it fails or does not answer within `timeout`. While
+        there is no leader (or ours is not connected) it is tried again every 50 ms.
+        NoQuorum.maybe_sent says whether an attempt may have reached a leader's log."""
         token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-        box: dict[str, Any] = {}
+        deadline = trio.current_time() + timeout + 2
+        sent = False
+        while True:
+            if not self._leader_reachable():
+                error: Any = FAIL_REASON.MISSING_LEADER
+            else:
+                sent = True
+                done = trio.Event()
+                box: dict[str, Any] = {}
 
-        def callback(result: Any, error: Any) -> None:  # on pysyncobj's thread
-            box["result"], box["error"] = result, error
-            token.run_sync_soon(done.set)
+                def callback(result: Any, error: Any, box: dict[str, Any] = box,
+                             done: trio.Event = done) -> None:  # on pysyncobj's thread
+                    box["result"], box["error"] = result, error
+                    token.run_sync_soon(done.set)
 
-        start(callback)
-        with trio.move_on_after(timeout + 2):
-            await done.wait()
-        if not done.is_set():
-            raise NoQuorum(f"raft {what} got no answer in {timeout:.0f}s")
-        if box["error"] not in (FAIL_REASON.SUCCESS, None):
-            raise NoQuorum(f"raft {what} failed: {_reason(box['error'])}")
-        return box["result"]
+                start(callback)
+                with trio.move_on_at(deadline):
+                    await done.wait()
+                if not done.is_set():
+                    e = NoQuorum(f"raft {what} got no answer in {timeout:.0f}s")
+                    e.maybe_sent = True
+                    raise e
+                error = box["error"]
+                if error in (FAIL_REASON.SUCCESS, None):
+                    return box["result"]
+                if error not in _NOT_SENT:
+                    e = NoQuorum(f"raft {what} failed: {_reason(error)}")
+                    e.maybe_sent = True
+                    raise e
+            if error != FAIL_REASON.MISSING_LEADER or trio.current_time() + 0.05 > deadline:
+                e = NoQuorum(f"raft {what} failed: {_reason(error)}")
+                e.maybe_sent = sent and error not in _NOT_SENT
+                raise e
+            await trio.sleep(0.05)
+
+    def _leader_reachable(self) -> bool:
+        """Whether our member has a leader it can send to: itself, or a partner it is
+        connected to. pysyncobj keeps the last leader of a follower that is connected to
+        nobody (it never becomes a candidate), and would hand commands to a connection
+        that is gone."""
+        st = self._replica.getStatus()
+        leader = st.get("leader")
+        if leader is None:
+            return False
+        if str(leader) == self.addr:
+            return True
+        return st.get(f"{_PARTNER}{leader}") == _CONNECTED
 
     async def submit(self, cmd: dict[str, Any], timeout: float = 10.0) -> Any:
         """Commit `cmd` through the log and return what applying it returned."""
@@ -189,10 +231,21 @@ class RaftNode:
                 "apply_lag": max(0, (st.get("commit_idx") or 0) - (st.get("last_applied") or 0)),
                 "leader": None if leader is None else str(leader),
                 "partners": st.get("partner_nodes_count"),
+                "connected": sorted(k[len(_PARTNER):] for k, v in st.items()
+                                    if k.startswith(_PARTNER) and v == _CONNECTED),
                 "log_entries": st.get("log_len")}
 
     def destroy(self) -> None:
         self._replica.destroy()
+
+
+# Answers after which the command is in no log: pysyncobj did not hand it to a leader
+# (none, or its queue was full), the leader refused it, the node asked was no longer the
+# leader, or the entry it got was replaced by another term's (DISCARDED).
+_NOT_SENT = {FAIL_REASON.MISSING_LEADER, FAIL_REASON.QUEUE_FULL, FAIL_REASON.REQUEST_DENIED,
+             FAIL_REASON.NOT_LEADER, FAIL_REASON.DISCARDED}
+_CONNECTED = 2  # pysyncobj's CONNECTION_STATE.CONNECTED in getStatus()
+_PARTNER = "partner_node_status_server_"
 
 
 def _reason(code: int) -> str:
