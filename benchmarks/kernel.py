@@ -30,7 +30,10 @@ itself costs (none for "before": it has no such section).
 3. `torch.save` of SIZE (benchmarks.writes.save, a fresh process) into a 1-node mount, three
    times back to back (ckpt0..2.pt, `objcache flush` after each), each followed by the same
    save to a local file; each save and ratio is reported.
-4. The same save into a 3-node cluster with `--replicas 2` (on node 0), then a local one.
+4. The same save into a 3-node cluster with `--replicas 2` (on node 0), five times back to
+   back (ckpt0..4.pt, each flushed), each followed by the same save to a local file of its
+   own; each pair is reported, and the median. SeaweedFS's CPU during each save of
+   figures 3 and 4 is reported too: here it shares the two cores with the save.
 5. SMALL files of 16 KiB read by 8 threads (benchmarks.metadata.read_tree), warm (read once
    before, page cache dropped): files/s, against the same files in a local directory.
 6. Warm `ls -l` (the second one; the directory listed once before) of a directory of
@@ -38,7 +41,8 @@ itself costs (none for "before": it has no such section).
 7. A 2-node cluster: node 1 loads the model (cold), then node 2 loads it twice (fresh
    process, page cache dropped before each); node 2's second load against the load of a
    local copy downloaded with boto3 right before (written as recently as node 2's copy:
-   this VM's host reads freshly written files up to 2x slower for a while).
+   this VM's host reads freshly written files up to 2x slower for a while). The control:
+   node 2's own cache file of the model loaded the same way without FUSE, after each pair.
 8. The daemon's own cost per request: warm `os.stat` of the SMALL files (a loop in a fresh
    process, after one untimed pass cached their attributes), warm `ls -l` of figure 6 and
    warm small files of figure 5, each with the daemon CPU and the FUSE requests it got.
@@ -108,6 +112,7 @@ class Bench:
     local: Path  # the local twins, on the cache disk
     names: list[str]  # the small files
     base: tuple[str, Path] | None  # --baseline-python and its checkout
+    server_pid: int = 0  # SeaweedFS: its CPU during the saves is reported
 
 
 # --- the daemon: CPU, FUSE counters, mounts of either checkout ---------------------------
@@ -389,6 +394,12 @@ def s3fs_ls(b: Bench) -> dict[str, Any]:
                 "warm_runs": [round(x, 3) for x in warm]}
 
 
+def server_cpu(b: Bench, s0: float) -> float:
+    """CPU seconds SeaweedFS spent since it had spent `s0`: on this machine the S3 server
+    shares the two cores with the save (a remote one would not)."""
+    return round(cpu_seconds(b.server_pid) - s0, 2)
+
+
 def saves(b: Bench, column: str) -> list[dict[str, Any]]:
     """Figure 3: three saves back to back, each flushed, each followed by a local one."""
     bucket = f"{b.profile}-saves-{column}"
@@ -398,8 +409,10 @@ def saves(b: Bench, column: str) -> list[dict[str, Any]]:
         with single(b, bucket, f"saves-{column}", column) as m:
             less = status_cost(m)
             for i in range(3):
+                s0 = cpu_seconds(b.server_pid)
                 fig = watched(m, partial(save_seconds, m.mnt / f"ckpt{i}.pt", b.size, i + 1),
                               less, False)
+                fig["server_cpu_s"] = server_cpu(b, s0)
                 fig["flush_s"] = flush_seconds(m)
                 fig["local_s"] = save_seconds(b.local / f"ckpt{i}.pt", b.size, i + 1)
                 fig["rss_mb"] = peak_rss_mb(m.proc.pid)
@@ -412,7 +425,9 @@ def saves(b: Bench, column: str) -> list[dict[str, Any]]:
 
 
 def cluster_save(b: Bench, column: str) -> dict[str, Any]:
-    """Figure 4: a save into node 0 of 3 with --replicas 2, then a local one."""
+    """Figure 4: REPS saves into node 0 of 3 with --replicas 2, each flushed and followed
+    by a local one (to a file of its own, as the cluster's saves are: a training job
+    keeps its checkpoints)."""
     bucket = f"{b.profile}-cluster-{column}"
     b.s3.create_bucket(Bucket=bucket)
     try:
@@ -421,19 +436,23 @@ def cluster_save(b: Bench, column: str) -> dict[str, Any]:
             first = nodes[0]
             runs = []
             for i in range(REPS):
+                s0 = cpu_seconds(b.server_pid)
                 fig = watched(first, partial(save_seconds, first.mnt / f"ckpt{i}.pt",
                                              b.size, 4 + i), status_cost(first), False)
+                fig["server_cpu_s"] = server_cpu(b, s0)
                 fig["flush_s"] = flush_seconds(first)
-                fig["local_s"] = save_seconds(b.local / "ckpt.pt", b.size, 4 + i)
+                fig["local_s"] = save_seconds(b.local / f"ckpt{i}.pt", b.size, 4 + i)
                 runs.append(fig)
         return {"s": statistics.median(f["s"] for f in runs),
                 "local_s": statistics.median(f["local_s"] for f in runs),
                 "cpu_s": statistics.median(f["cpu_s"] for f in runs),
                 "ratio": statistics.median(f["s"] / f["local_s"] for f in runs),
                 "pairs": [(round(f["local_s"], 3), round(f["s"], 3)) for f in runs],
-                "flush_s": [round(f["flush_s"], 2) for f in runs], "fuse": runs[-1]["fuse"]}
+                "flush_s": [round(f["flush_s"], 2) for f in runs],
+                "server_cpu_s": [f["server_cpu_s"] for f in runs], "fuse": runs[-1]["fuse"]}
     finally:
-        (b.local / "ckpt.pt").unlink(missing_ok=True)
+        for i in range(REPS):
+            (b.local / f"ckpt{i}.pt").unlink(missing_ok=True)
         drop_bucket(b.s3, bucket)
 
 
@@ -456,9 +475,12 @@ def cluster_load(b: Bench, column: str) -> dict[str, Any]:
         # setup would compare an old file with a new one.)
         b.s3.download_file(BUCKET, MODEL, str(twin))
         try:
+            # The control: node 2's own cache file of the model, loaded without FUSE.
+            kept = cache_file(two, twin.stat().st_size)
             # The second load is the first of these pairs ("pairs"[0]).
             return {**next_to(partial(load_seconds, twin), two,
-                              partial(load_seconds, two.mnt / MODEL), status_cost(two)),
+                              partial(load_seconds, two.mnt / MODEL), status_cost(two),
+                              direct=partial(load_seconds, kept) if kept else None),
                     "node1_s": node1, "first_s": first}
         finally:
             twin.unlink(missing_ok=True)
@@ -539,8 +561,9 @@ def run(size: int, small: int, entries: int, profiles: list[str],
         fill(s3, work / "local", size, names, entries)
         res["setup_s"] = time.perf_counter() - t0
         print("setup", round(res["setup_s"], 1), "s; S3 data in", home, flush=True)
+        assert weed.proc is not None
         common = Bench("", "", s3, work, size, str(max(8 * GiB, 6 * size)), work / "local",
-                       names, base)
+                       names, base, weed.proc.pid)
         for profile in profiles:
             if profile == "wan":
                 with wan_proxy(weed.port, WAN_DELAY_MS, WAN_MBPS) as endpoint:
@@ -590,6 +613,12 @@ def _direct(f: dict[str, Any] | None, amount: float) -> tuple[str, str]:
     if not f or "direct_s" not in f:
         return "", "-"
     return "", f"{amount / f['direct_s']:,.2f} ({1 / f['direct_ratio']:.2f}x)"
+
+
+def _direct_time(f: dict[str, Any] | None) -> tuple[str, str]:
+    if not f or "direct_s" not in f:
+        return "", "-"
+    return "", f"{f['direct_s']:.2f} ({f['direct_ratio']:.2f}x)"
 
 
 def _time(f: dict[str, Any] | None) -> tuple[str, str]:
@@ -648,6 +677,19 @@ def report(res: dict[str, Any]) -> list[str]:
         def save_cpu(saves: list[dict[str, Any]] | None) -> tuple[str, str]:
             return "", " / ".join(f"{s['cpu_s']:.2f}" for s in saves) if saves else "-"
 
+        def server_cpus(f: list[dict[str, Any]] | dict[str, Any] | None) -> tuple[str, str]:
+            got = ([s.get("server_cpu_s") for s in f] if isinstance(f, list)
+                   else f.get("server_cpu_s") if isinstance(f, dict) else None)
+            if not got or None in got:
+                return "", "-"
+            return "", " / ".join(f"{x:.2f}" for x in got)
+
+        def each_save(f: dict[str, Any] | None) -> tuple[str, str]:
+            if not f or "pairs" not in f:
+                return "", "-"
+            return ("", "; ".join(f"{t:.2f} / {w:.2f} ({w / t:.2f}x)"
+                                  for t, w in f["pairs"]))
+
         def earlier(f: dict[str, Any] | None) -> tuple[str, str]:
             return "", f"{f['node1_s']:.2f} / {f['first_s']:.2f}" if f else "-"
 
@@ -678,9 +720,13 @@ def report(res: dict[str, Any]) -> list[str]:
                _time, ("saves", i)) for i in range(3)],
             ("   `objcache flush` after each: s", flushes, ("saves",)),
             ("   daemon CPU s during each save", save_cpu, ("saves",)),
-            (f"4. torch.save of {big}, 3 nodes, --replicas 2: s (x local's time)", _time,
-             ("cluster_save",)),
+            ("   S3 server (SeaweedFS) CPU s during each save", server_cpus, ("saves",)),
+            (f"4. torch.save of {big}, 3 nodes, --replicas 2, {REPS} saves: median s "
+             "(median x local's time)", _time, ("cluster_save",)),
+            ("   each save in order: local s / objcache s (x)", each_save, ("cluster_save",)),
             ("   daemon CPU s / FUSE requests during it (node 0)", _cost, ("cluster_save",)),
+            ("   S3 server (SeaweedFS) CPU s during each save", server_cpus,
+             ("cluster_save",)),
             (f"5. {n:,} x 16 KiB warm, 8 threads: files/s (x local's speed)",
              partial(_speed, amount=n, digits=0), ("reads", "small")),
             (f"6. `ls -l` of {e:,} entries, warm: s (x s3fs-fuse's time; local column: "
@@ -688,6 +734,8 @@ def report(res: dict[str, Any]) -> list[str]:
             ("7. 2 nodes: node 2's second load of the model: s (x the time of a local copy "
              "downloaded just before)", _time,
              ("cluster_load",)),
+            ("   node 2's own cache file of the model loaded without FUSE: s (x the local "
+             "copy's time)", _direct_time, ("cluster_load",)),
             ("   node 1's load (cold) / node 2's first load: s", earlier,
              ("cluster_load",)),
             ("   daemon CPU s / FUSE requests during node 2's second load", _cost,

@@ -397,6 +397,24 @@ def _cmd_status(args: argparse.Namespace) -> int:
                   f"{r['leader'] or '-'}, {len(r['members'])} voters")
         else:
             print("  raft: starting")
+        pt = cl.get("partition") or {}
+        if pt.get("cut_off"):
+            since = pt.get("cut_off_seconds")
+            print("  CUT OFF from the majority"
+                  + (f" for {since:.0f}s" if since is not None else "")
+                  + ": changes fail (EIO) or are in doubt (ETIMEDOUT) after --txn-timeout;"
+                  " reads serve what this node has applied")
+        for u in pt.get("unreachable") or []:
+            seen = u.get("last_seen_seconds")
+            print(f"  unreachable: {u['id']} ({u['state']}, "
+                  + (f"last answered {seen:.0f}s ago)" if seen is not None else "never answered)"))
+        if pt.get("raft_unreachable"):
+            print(f"  raft: no connection to {', '.join(pt['raft_unreachable'])}")
+    tx = st.get("transactions") or {}
+    for what in tx.get("in_doubt") or []:
+        print(f"in doubt: {what} (answered ETIMEDOUT; settled when the node rejoins)")
+    for what in tx.get("settled") or []:
+        print(f"settled:  {what}")
     return 0
 
 

@@ -84,7 +84,18 @@ class StoreRefused(StoreError):
 
 
 class NoQuorum(ObjcacheError):
-    """A replicated change could not be committed in time (no leader, or no majority)."""
+    """A replicated change could not be committed in time (no leader, or no majority).
+    Raised to a FUSE call only once it is settled that the change never takes effect.
+    `maybe_sent`: (raft layer) the command may have reached a leader's log."""
+
+    maybe_sent = True
+
+
+class InDoubt(NoQuorum):
+    """A change that could not commit in time and whose outcome could not be settled
+    either (this node is cut off from the majority): it may still take effect, once,
+    whole. ETIMEDOUT, so that an application can tell it from EIO (it did not and never
+    will); `objcache status` shows the outcome once it is settled."""
 
 
 class PeerError(ObjcacheError):
@@ -132,6 +143,7 @@ _TABLE: dict[type[ObjcacheError], tuple[str, int]] = {
     StoreUnavailable: ("unavailable", _errno.EIO),
     StoreRefused: ("refused", _errno.EIO),
     NoQuorum: ("noquorum", _errno.EIO),
+    InDoubt: ("indoubt", _errno.ETIMEDOUT),
     PeerError: ("peer", _errno.EIO),
     Conflict: ("conflict", _errno.EIO),
     ProtocolError: ("protocol", _errno.EIO),

@@ -91,6 +91,7 @@ class MemberStatus:
         for m in st["members"]:
             m["stats"] = rows.get(m["id"])
         st["raft"] = self.node.raft.status()
+        st["partition"] = partition(st["node_id"], st["members"], st["raft"])
         return st
 
     def snapshot(self, peer_fallbacks: int, served: int) -> ClusterSnapshot | None:
@@ -106,6 +107,37 @@ class MemberStatus:
 
     async def broadcast(self, msg: dict[str, Any]) -> dict[str, dict[str, Any] | None]:
         return await self.node.client.broadcast(msg)
+
+
+def partition(me: str, members: list[dict[str, Any]], raft: dict[str, Any] | None
+              ) -> dict[str, Any]:
+    """Whether this node is cut off from the majority, and from whom: the Raft members
+    its member has no connection to, the cluster members it has not heard from (with how
+    long ago it last did), and for how long it has been without a majority (the time
+    since the last of the members that made one answered)."""
+    unreachable = [{"id": m["id"], "state": m["state"],
+                    "last_seen_seconds": m.get("last_seen_seconds")}
+                   for m in members if m["id"] != me and m["state"] in ("suspect", "dead")]
+    out: dict[str, Any] = {"cut_off": False, "cut_off_seconds": None,
+                           "unreachable": unreachable, "raft_unreachable": []}
+    if not raft or not raft.get("members"):
+        return out
+    group = raft["members"]
+    others = [a for a in group if a != raft.get("self")]
+    connected = set(raft.get("connected") or [])
+    out["raft_unreachable"] = [a for a in others if a not in connected]
+    # others needed for a majority: with our vote, or (a learner) without it
+    need = len(group) // 2 if raft.get("self") in group else len(group) // 2 + 1
+    if len(connected & set(others)) >= need:
+        return out
+    out["cut_off"] = True
+    # Lost when the need-th most recently seen member went silent.
+    seen = sorted((m.get("last_seen_seconds") for m in members
+                   if m["id"] != me and m["state"] not in ("left",)
+                   and m.get("last_seen_seconds") is not None), key=float)
+    if need and len(seen) >= need:
+        out["cut_off_seconds"] = seen[need - 1]
+    return out
 
 
 def _hit_ratio(cache: ChunkCache) -> float | None:
@@ -188,6 +220,7 @@ class NodeStatus:
                           "stream_fallbacks": wb.stream_fallbacks},
             "s3": self.store.stats.as_dict(),
             "fuse": self.fuse.fuse(),
+            "transactions": {"in_doubt": list(wb.in_doubt), "settled": list(wb.settled)},
             "cluster": await self.cluster.status(self.rows.row(), local),
         }
 

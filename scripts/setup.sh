@@ -12,6 +12,11 @@ need=()
 command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 command -v s3fs >/dev/null 2>&1 || need+=(s3fs)  # the interoperability tests compare with it
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
+# the partition tests: network namespaces, veths and a bridge (iproute2), links cut with
+# iptables inside those namespaces, daemons started in them with nsenter (util-linux)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v iptables >/dev/null 2>&1 || need+=(iptables)
+command -v nsenter >/dev/null 2>&1 || need+=(util-linux)
 if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing ${need[*]}" >&2
     $SUDO apt-get update -qq

@@ -67,6 +67,10 @@ class Stats:
     streamed: int = 0  # files whose upload ran while they were written
     stream_fallbacks: int = 0  # streams given up (a write behind the seal): sent whole
     quarantined: int = 0  # files S3 refused for good, kept in the cache dir's lost+found/
+    # cluster: changes that answered ETIMEDOUT and are not settled yet, and the outcomes
+    # of the last ones settled (objcache.txn.coordinator.TxnClient.submit)
+    in_doubt: tuple[str, ...] = ()
+    settled: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,9 +180,12 @@ class Backend(Protocol):
         carries them now, if they went there at once."""
         ...
 
-    async def close(self, key: str, lf: LocalFile) -> FileEntry | None:
+    async def close(self, key: str, lf: LocalFile, final: bool = False
+                    ) -> FileEntry | None:
         """close() of a handle that wrote: make the working copy's content durable (the
-        close-to-open point). The entry now recorded for the file, if any."""
+        close-to-open point). The entry now recorded for the file, if any. `final`: no
+        handle open for writing is left after this one (nothing we know of writes the
+        working copy again before it is opened anew)."""
         ...
 
     async def fsync(self, key: str, lf: LocalFile) -> FileEntry | ObjectRef | None:

@@ -203,7 +203,8 @@ class LocalBackend:
             self.local.save(lf)
         return ObjectRef(lf.key, etag, lf.size)
 
-    async def close(self, key: str, lf: LocalFile) -> FileEntry | None:
+    async def close(self, key: str, lf: LocalFile, final: bool = False
+                    ) -> FileEntry | None:
         """Journal size and mtime, so a crash after close() loses nothing; the write-back
         loop uploads it later."""
         self.local.save(lf)

@@ -35,7 +35,7 @@ from objcache.entries import (
     attrs_wire,
     to_wire,
 )
-from objcache.errors import Gone, ObjcacheError, StoreRefused
+from objcache.errors import Gone, InDoubt, NoQuorum, ObjcacheError, StoreRefused
 from objcache.store.meta import parse_meta
 from objcache.txn.flusher import ClusterFlusher
 from objcache.txn.overlay import OverlayStore
@@ -78,6 +78,7 @@ class ReplicatedBackend:
         self._nursery: trio.Nursery | None = None
         self._applied = applied
         self._waiting: list[Applied] = []
+        self._withdrawn: set[int] = set()  # working copies whose close failed (`_withdraw`)
         self.uid, self.gid = os.getuid(), os.getgid()  # owner of objects without metadata
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -86,6 +87,7 @@ class ReplicatedBackend:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self.flusher.run)
+            nursery.start_soon(self.txn.settle_loop)
             await self._stage_while_writing(nursery)
 
     async def _stage_while_writing(self, nursery: trio.Nursery) -> None:
@@ -250,7 +252,8 @@ class ReplicatedBackend:
         self.local.mark_dirty(lf)  # committed with the content at close
         return None
 
-    async def close(self, key: str, lf: LocalFile) -> FileEntry | None:
+    async def close(self, key: str, lf: LocalFile, final: bool = False
+                    ) -> FileEntry | None:
         """Seal the content, replicate it, commit it (close() returns after)."""
         async with lf.lock:
             self.local.observe(lf)  # (writes the kernel made without us, if any)
@@ -259,18 +262,20 @@ class ReplicatedBackend:
             version = lf.version
             await self.local.materialize_all(lf)
             cid = self.txn.new_cid()
-            if self.local.bypassed(lf):
-                # The kernel writes this file without us (passthrough): later writes, by
-                # another descriptor or a shared mapping, would change a hard-linked blob
-                # unseen. The blob is a copy, made while the staged digests are checked.
-                staged = await self._finish_and_copy(lf, cid)
-            else:
-                staged = await self.stager.finish(lf)
+            if not self.local.bypassed(lf):
+                staged = (await self.stager.finish(lf)).staged
                 # The blob is a hard link to the working copy: it takes over the bytes'
                 # charge (a write after this copies the file, and charges the copy).
                 self.local.hand_over_charge(lf)
                 self.dirty.seal(cid, lf.path, lf.size)
                 lf.shared = True
+            elif final:
+                staged = await self._finish_and_link(lf, cid)
+            else:
+                # The kernel writes this file without us (passthrough), and a handle open
+                # for writing stays: the blob is a copy, made while the staged digests are
+                # checked.
+                staged = await self._finish_and_copy(lf, cid)
             try:
                 holders = await self.txn.replicate(lf.key, cid, lf.size, staged)
             finally:
@@ -282,6 +287,9 @@ class ReplicatedBackend:
             try:
                 try:
                     ver = await self._submit(cmd)
+                except NoQuorum as ex:
+                    self._withdraw(lf, version, cid, ex)
+                    raise
                 except Gone:
                     if not await self._written_back_meanwhile(lf.key):
                         raise
@@ -298,7 +306,24 @@ class ReplicatedBackend:
                 lf.dirty = False
                 lf.dirty_since = None
                 self.local.save(lf)
+            log.debug("close of %r committed: blob %s, %d bytes, ver %d", lf.key, cid,
+                      lf.size, ver)
             return replace(e, ver=ver)
+
+    def _withdraw(self, lf: LocalFile, version: int, cid: str, ex: NoQuorum) -> None:
+        """A close whose commit failed (EIO: fenced, it never takes effect) or is in doubt
+        (ETIMEDOUT: only its fence decides): what it wrote is no longer this node's to
+        commit. Left dirty, the working copy was committed again by the release that
+        follows the failed close, or by the next close here, once the network healed:
+        the failed write took effect after all (the partition nemesis; issue 27)."""
+        if lf.version == version:
+            lf.dirty = False
+            lf.dirty_since = None
+            self.local.save(lf)
+        if not isinstance(ex, InDoubt):
+            self.dirty.drop(cid)  # referenced by no entry, now or later
+        self._withdrawn.add(lf.fid)
+        log.warning("close of %r failed (%s): what it wrote is withdrawn", lf.key, ex)
 
     async def _written_back_meanwhile(self, key: str) -> bool:
         """Whether `key` has no entry (not even a tombstone) because its owner uploaded it
@@ -313,11 +338,41 @@ class ReplicatedBackend:
         """In a cluster, durable = replicated and committed (upload is the owner's)."""
         return await self.close(key, lf)
 
+    async def _finish_and_link(self, lf: LocalFile, cid: str) -> dict[str, tuple[str, int]]:
+        """Seal a file the kernel wrote without us, now that no handle open for writing
+        is left: the blob is a hard link to the working copy (no copy). Something may
+        still write the file unseen (a shared mapping outlives its close, a descriptor
+        passed to another process), so the digests of what is committed are kept: before
+        the working copy is written again the blob gets a file of its own, kept only if
+        it still holds these bytes (`DirtyStore.detach`). A write the kernel makes
+        meanwhile is taken in as a new version (`_linger`) and committed over this one."""
+        fin = await self.stager.finish(lf)
+        digests = fin.digests
+        done = digests[-1][1] if digests else 0
+        if lf.size > done or not digests:
+            tail = [(done, lf.size)]
+            digests = digests + [(done, lf.size, d)
+                                 for d in await self.local.digests(lf.path, tail)]
+
+        async def check(copy: str) -> bool:
+            ranges = [(start, end) for start, end, _ in digests]
+            return await self.local.digests(copy, ranges) == [d for *_, d in digests]
+
+        async def detach() -> None:
+            await self.dirty.detach(cid, lf.path, check)
+
+        self.local.hand_over_charge(lf)  # (the blob's bytes from now on)
+        self.dirty.seal(cid, lf.path, lf.size)
+        lf.linked = detach
+        if self.local.observe(lf):
+            log.info("%r changed while its close sealed it", lf.key)
+        return fin.staged
+
     async def _finish_and_copy(self, lf: LocalFile, cid: str) -> dict[str, tuple[str, int]]:
         staged: dict[str, tuple[str, int]] = {}
 
         async def finish() -> None:
-            staged.update(await self.stager.finish(lf))
+            staged.update((await self.stager.finish(lf)).staged)
 
         async with trio.open_nursery() as n:
             n.start_soon(finish)
@@ -331,6 +386,12 @@ class ReplicatedBackend:
     def released(self, lf: LocalFile) -> None:
         if lf.dirty or lf.opens:
             return
+        if lf.fid in self._withdrawn:
+            # Its last close failed: the file is what the log says, not this copy (which
+            # would go on answering reads here while watched for mapping writes).
+            self._withdrawn.discard(lf.fid)
+            self.local.remove(lf)
+            return
         if self.local.bypassed(lf) and self._nursery is not None:
             # A shared mapping may write it after its last close, and the kernel tells
             # us nothing of it: it is looked at until that watch ends.
@@ -343,9 +404,12 @@ class ReplicatedBackend:
             await trio.sleep(LINGER_LOOK)
             self.local.observe(lf)
             if lf.dirty and lf.opens == 0 and not lf.removed:
+                log.info("%r changed after its last close (a shared mapping?): committing "
+                         "it", lf.key)
                 try:
-                    await self.close(lf.key, lf)  # written through a mapping: commit it
-                except ObjcacheError as e:
+                    # written through a mapping: commit it
+                    await self.close(lf.key, lf, final=lf.writers == 0)
+                except (ObjcacheError, OSError) as e:  # (removed meanwhile: OSError)
                     log.error("could not commit what was written to %r through a mapping "
                               "after its close: %s", lf.key, e)
         if lf.opens == 0 and not lf.dirty and not lf.removed:
@@ -376,7 +440,9 @@ class ReplicatedBackend:
     def stats(self) -> Stats:
         files, nbytes, oldest = self.flusher.dirty_summary()
         return Stats(files, nbytes, oldest, self.flusher.uploaded, self.flusher.failed,
-                     quarantined=self.flusher.quarantine.count)
+                     quarantined=self.flusher.quarantine.count,
+                     in_doubt=tuple(self.txn.in_doubt.values()),
+                     settled=tuple(self.txn.settled))
 
 
 def _attr_list(a: Attrs) -> list[int]:

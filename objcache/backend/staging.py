@@ -47,6 +47,20 @@ class Staging:
     ended: trio.Event = field(default_factory=trio.Event)
 
 
+@dataclass(slots=True)
+class Finished:
+    """What a file's staging leaves for its close.
+
+    staged: node -> (stage id, bytes of it the close's pull adopts: 0 when the file
+        changed behind the stage).
+    digests: (start, end, digest) of the staged ranges of a file written without us, as
+        they are now (checked against the ones taken before the replicas pulled them).
+    """
+
+    staged: dict[str, tuple[str, int]]
+    digests: list[tuple[int, int, bytes]]
+
+
 class Stager:
     def __init__(self, txn: TxnClient, dirty: DirtyStore, local: LocalFiles,
                  step: int) -> None:
@@ -114,26 +128,28 @@ class Stager:
         finally:
             st.ended.set()
 
-    async def finish(self, lf: LocalFile) -> dict[str, tuple[str, int]]:
-        """Stop staging `lf` (about to be sealed); node -> (stage id, bytes of it the
-        close's pull adopts: 0 when the file changed behind the stage)."""
+    async def finish(self, lf: LocalFile) -> Finished:
+        """Stop staging `lf` (about to be sealed): what the close's pull may adopt."""
         st = self._by_fid.pop(lf.fid, None)
         if st is None:
-            return {}
+            return Finished({}, [])
         self._stop(st)
         await st.ended.wait()
         usable = not (lf.seal_broken or lf.size < st.end)
-        for start, end, digest in st.digests:
-            if not usable or await self.local.digest(lf, start, end - start) != digest:
-                usable = False  # written below the seal, through passthrough
-                break
+        now: list[tuple[int, int, bytes]] = []
+        if usable and st.digests:
+            ranges = [(start, end) for start, end, _ in st.digests]
+            got = await self.local.digests(lf.path, ranges)
+            now = [(start, end, d) for (start, end), d in zip(ranges, got, strict=True)]
+            usable = now == st.digests  # else written below the seal, through passthrough
         lf.sealed, lf.seal_broken = 0, False
         if not st.staged:
             self.dirty.unexpose(st.sid)
-            return {}
+            return Finished({}, now if usable else [])
         if not usable:  # the replicas drop what they staged and pull the whole file
             log.info("%r changed behind what was staged: close pulls it whole", lf.key)
-        return {node: (st.sid, n if usable else 0) for node, n in st.staged.items()}
+        return Finished({node: (st.sid, n if usable else 0) for node, n in st.staged.items()},
+                        now if usable else [])
 
     def done(self, staged: dict[str, tuple[str, int]]) -> None:
         """The close's pulls are over: the working copy is no longer readable as a

@@ -10,13 +10,14 @@ to the state database before the FUSE call returns, so `kill -9` loses no closed
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat as stat_mod
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import trio
 import xxhash
@@ -51,17 +52,27 @@ def _unpack(blob: bytes) -> set[int]:
     return {i * 8 + b for i, byte in enumerate(blob) for b in range(8) if byte >> b & 1}
 
 
-def _digest(path: str, start: int, length: int) -> bytes:
+def _digest(f: BinaryIO, start: int, length: int, buf: bytearray) -> bytes:
+    # Read into one reused buffer: 0.11 s per GiB from the page cache here, against 0.27 s
+    # with a new bytes object per read. (Not mmap, faster still: a truncate while the
+    # mapping is read would kill the daemon with SIGBUS.)
     h = xxhash.xxh3_128()
-    with open(path, "rb", buffering=0) as f:
-        f.seek(start)
-        while length > 0:
-            data = f.read(min(length, FILL_PIECE))
-            if not data:
-                break
-            h.update(data)
-            length -= len(data)
+    view = memoryview(buf)
+    f.seek(start)
+    while length > 0:
+        n = f.readinto(view[:min(length, len(buf))])
+        if not n:
+            break
+        h.update(view[:n])
+        length -= n
     return h.digest()
+
+
+def digests_of(path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """The digest of each byte range [start, end) of the file at `path`."""
+    buf = bytearray(FILL_PIECE)
+    with open(path, "rb", buffering=0) as f:
+        return [_digest(f, start, end - start, buf) for start, end in ranges]
 
 
 def _copy_file(src_path: str, dst_path: str) -> None:
@@ -70,6 +81,9 @@ def _copy_file(src_path: str, dst_path: str) -> None:
         off = 0
         while off < n:
             off += os.copy_file_range(src.fileno(), dst.fileno(), n - off)
+
+
+_ASIDE = "\0aside/"  # the journal key of a file set aside (never an S3 key)
 
 
 class LocalFile:
@@ -83,14 +97,19 @@ class LocalFile:
     bypass: writers whose writes the kernel makes to the data file without us
         (passthrough); `observe` takes in what they did. `seen`: the data file's (size,
         mtime, ctime) as last taken in.
+    shared: the data file is also a sealed blob's (a hard link): a write first gives the
+        working copy a file of its own (`unshare`).
+    linked: the same, for a file the kernel writes without us: the working copy keeps its
+        file (the kernel's backing file, maybe mapped still) and the blob is given one of
+        its own before the next writer (`unshare` awaits `linked()`).
     """
 
     __slots__ = ("fid", "key", "path", "base_key", "base_etag", "base_size", "base_limit",
                  "materialized", "size", "mode", "uid", "gid", "mtime_ns", "atime_ns",
-                 "ctime_ns", "dirty",
+                 "ctime_ns", "dirty", "aside",
                  "dirty_since", "etag", "version", "writers", "opens", "lock", "fd",
                  "last_change", "removed", "charged", "urgent", "shared", "unsharing",
-                 "sealed", "seal_broken", "bypass", "seen", "watch_until")
+                 "sealed", "seal_broken", "bypass", "seen", "watch_until", "linked")
 
     def __init__(self, fid: int, key: str, path: str) -> None:
         self.fid = fid
@@ -112,6 +131,7 @@ class LocalFile:
         self.dirty_since: float | None = None
         self.etag: str | None = None
         self.version = 0
+        self.aside = False  # no longer shows its key (`LocalFiles.set_aside`)
         self.writers = 0
         self.opens = 0
         self.lock = trio.Lock()
@@ -120,7 +140,8 @@ class LocalFile:
         self.removed = False
         self.charged = 0
         self.urgent = False
-        self.shared = False  # its data file is also a sealed blob: copy before changing
+        self.shared = False
+        self.linked: Callable[[], Awaitable[None]] | None = None
         self.unsharing: trio.Event | None = None  # set when a copy under way is done
         self.sealed = 0
         self.seal_broken = False
@@ -178,10 +199,21 @@ class LocalFiles:
         for (fid, key, bkey, betag, bsize, blimit, mat, _size, mode, uid, gid, mtime_ns,
              atime_ns, ctime_ns, dirty, dirty_since, etag) in rows:
             lf = LocalFile(fid, key, str(self.root / str(fid)))
+            if key.startswith(_ASIDE):  # set aside, then the daemon stopped: nobody's
+                self.db.execute("DELETE FROM files WHERE fid=?", (fid,))
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lf.path)
+                continue
             try:
                 # The data file is the truth for the size: writes after the last journal
                 # update (an unclosed file at a crash) are in it too.
-                lf.size = os.stat(lf.path).st_size
+                st = os.stat(lf.path)
+                lf.size = st.st_size
+                if st.st_nlink > 1 and not dirty:
+                    # Also a sealed blob's file (a close's hard link, before the working
+                    # copy went): the blob keeps it; writing it here would change the blob.
+                    os.unlink(lf.path)
+                    raise FileNotFoundError(lf.path)
             except FileNotFoundError:
                 if dirty:
                     log.error("local data of dirty file %r is missing from the cache dir", key)
@@ -210,7 +242,8 @@ class LocalFiles:
             "UPDATE files SET key=?, base_key=?, base_etag=?, base_size=?, base_limit=?, "
             "materialized=?, size=?, mode=?, uid=?, gid=?, mtime_ns=?, atime_ns=?, ctime_ns=?, "
             "dirty=?, dirty_since=?, etag=? WHERE fid=?",
-            (lf.key, lf.base_key, lf.base_etag, lf.base_size, lf.base_limit,
+            (_ASIDE + str(lf.fid) if lf.aside else lf.key, lf.base_key, lf.base_etag,
+             lf.base_size, lf.base_limit,
              _pack(lf.materialized), lf.size, lf.mode, lf.uid, lf.gid, lf.mtime_ns,
              lf.atime_ns, lf.ctime_ns, int(lf.dirty), lf.dirty_since, lf.etag, lf.fid))
 
@@ -350,15 +383,20 @@ class LocalFiles:
             await self._materialize(lf, idx)
 
     async def unshare(self, lf: LocalFile) -> None:
-        """Give the file its own data file again (the old one is a sealed blob now).
+        """Before the file changes: a data file that is also a sealed blob's stops being
+        one (`shared`: the working copy gets a copy of its own; `linked`: the blob does).
         Concurrent writers wait for one copy: none may write the blob meanwhile."""
-        while lf.shared:
+        while lf.shared or lf.linked is not None:
             if lf.unsharing is not None:
                 await lf.unsharing.wait()
                 continue
             lf.unsharing = done = trio.Event()
             try:
                 await self._charge(lf, lf.size)  # the copy's bytes (the blob has its own)
+                if lf.linked is not None:
+                    await lf.linked()
+                    lf.linked = None
+                    continue
                 # copy_file_range (reflinked or in-kernel), in a thread: a checkpoint
                 # rewritten after close may be gigabytes.
                 await trio.to_thread.run_sync(_copy_file, lf.path, lf.path + ".unshare",
@@ -476,7 +514,9 @@ class LocalFiles:
         if lf.removed or (not lf.bypass and time.monotonic() > lf.watch_until):
             self.watched.discard(lf)
         got = self._stat(lf)
-        if got is None or got[0] == lf.seen:
+        # A write moves the mtime (the kernel takes a fine-grained one once we have looked
+        # at it); the ctime alone moves with the data file's links too (sealed blobs).
+        if got is None or (lf.seen is not None and got[0][:2] == lf.seen[:2]):
             return False
         lf.seen, allocated = got
         old = lf.size
@@ -497,7 +537,11 @@ class LocalFiles:
     async def digest(self, lf: LocalFile, start: int, length: int) -> bytes:
         """A digest of bytes [start, start+length) of the data file (in a thread): what
         a streaming upload sent of a file written without us is checked against it."""
-        return await trio.to_thread.run_sync(_digest, lf.path, start, length,
+        return (await self.digests(lf.path, [(start, start + length)]))[0]
+
+    async def digests(self, path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """`digests_of` in a thread."""
+        return await trio.to_thread.run_sync(digests_of, path, ranges,
                                              limiter=self.space.disk)
 
     def observe_all(self) -> None:
@@ -542,6 +586,19 @@ class LocalFiles:
         lf.key = new_key
         lf.seal_broken = lf.seal_broken or lf.sealed > 0  # a multipart upload has one key
         self.by_key[new_key] = lf
+        self._save(lf)
+
+    def set_aside(self, lf: LocalFile) -> None:
+        """`lf` (clean, still open here) no longer shows its key: another node committed a
+        newer version. New opens and reads by name see that version; the handles that
+        have `lf` open keep it, and a write and close through them commits it (the last
+        close wins). Forgotten (`remove`) when its last handle closes."""
+        if self.by_key.get(lf.key) is lf:
+            del self.by_key[lf.key]
+        # Its row stays (under a key no file has: the key is UNIQUE, and a new working
+        # copy of the key may come), so that its fid, which names its data file, is not
+        # handed to another file while it lives.
+        lf.aside = True
         self._save(lf)
 
     def remove(self, lf: LocalFile) -> None:

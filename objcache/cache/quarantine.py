@@ -78,8 +78,10 @@ class Quarantine:
                     os.link(data_path, target)
                 except OSError:
                     shutil.copyfile(data_path, target)
-                with open(target, "r+b") as f:
-                    f.truncate(size)  # a data file may be longer than the file it held
+                if os.stat(target).st_size > size:  # a data file may be longer than
+                    # the file it held; (a truncate to the same size would still move the
+                    # mtime of a working copy the file may share: a change to commit)
+                    os.truncate(target, size)
             self._note(base, key, size, error, target)
 
         await trio.to_thread.run_sync(keep, limiter=self.io)

@@ -35,7 +35,15 @@ import trio
 
 from objcache.cluster.membership import ALIVE
 from objcache.errors import NoQuorum
-from objcache.raft.node import Applied, Batcher, Feed, StateMachine, apply_entry, pack
+from objcache.raft.node import (
+    ANSWER_GRACE,
+    Applied,
+    Batcher,
+    Feed,
+    StateMachine,
+    apply_entry,
+    pack,
+)
 
 if TYPE_CHECKING:
     from objcache.cluster.client import PeerClient
@@ -205,10 +213,12 @@ class Learner:
     async def _send_batch(self, blobs: list[bytes], timeout: float) -> tuple[list[Any], int]:
         target = self.source or self.pick()
         if target is None:
-            raise NoQuorum("no voter is reachable to take commands")
+            e = NoQuorum("no voter is reachable to take commands")
+            e.maybe_sent = False
+            raise e
         got = await self.client.call(target, {"op": "raft_submit", "cmds": blobs,
                                               "timeout": min(timeout, 30.0)},
-                                     max_data=0, timeout=timeout + 1)
+                                     max_data=0, timeout=timeout + ANSWER_GRACE + 1)
         if got is None:
             raise NoQuorum(f"{target} did not commit the commands")
         results, index = got[0].get("results"), got[0].get("index")
@@ -237,6 +247,9 @@ class Learner:
                 "commands": getattr(self.state, "applied", None),
                 "batches": self.batcher.batches, "batched_commands": self.batcher.commands,
                 "source": source.raft if source is not None else None,
+                # The voters membership finds alive (a learner keeps no connection to
+                # them: this is what `objcache status` judges a cut-off by)
+                "connected": sorted(a for a in self.voters if self._member(a) is not None),
                 "snapshots": self.snapshots, "thread_cpu_seconds": None}
 
     def destroy(self) -> None:

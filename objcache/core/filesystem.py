@@ -51,6 +51,7 @@ from objcache.errors import (
     Invalid,
     IsADirectory,
     NameTooLong,
+    NoQuorum,
     NotADirectory,
     NotEmpty,
     NotFound,
@@ -712,11 +713,11 @@ class Filesystem:
                 # being read are fetched whole (see _head_file): a shorter window.
                 window = pf.window(bool(d.read_children))
                 if pf.next > pf.cursor + window:
-                    with trio.move_on_after(self.ttl):
+                    with trio.move_on_after(self.ttl) as waited:
                         await pf.moved.wait()
-                    if pf.next > pf.cursor + window:
+                    if waited.cancelled_caught:
                         return
-                    continue
+                    continue  # (they moved, maybe not yet into reach: wait on)
                 batch: list[Inode] = []
                 while (pf.next < len(pf.names) and pf.next <= pf.cursor + window
                        and len(batch) < META_BATCH):
@@ -1285,7 +1286,8 @@ class Filesystem:
         inode, writable = self._opening(ino, flags)
         self._apply_changes(self.backend.take_changes())
         lf = self._caught_up(inode)
-        if self._stale_for_open(inode, lf) or (writable and flags & os.O_TRUNC):
+        if self._stale_for_open(inode, lf) or (writable and flags & os.O_TRUNC) or (
+                writable and lf is not None and (lf.shared or lf.linked is not None)):
             return None
         source = self._source(inode)
         if self._landing(inode, lf, source):
@@ -1307,6 +1309,10 @@ class Filesystem:
             # O_TRUNC changes the file (and its mtime) even when it is empty already.
             lf = lf or await self._working_copy(inode, empty=True)
             await self.local.truncate(lf, 0)
+        if writable and lf is not None:
+            # A sealed blob sharing the working copy's file gets its own before a writer
+            # may write the file (without us, through passthrough).
+            await self.local.unshare(lf)
         source = self._source(inode)
         if self._landing(inode, lf, source):
             ref = source.ref  # type: ignore[attr-defined]
@@ -1482,9 +1488,46 @@ class Filesystem:
         if h.backed and h.lf is not None:
             self.local.observe(h.lf)
         if h.lf is not None and h.lf.dirty and not h.lf.removed:
-            e = await self.backend.close(h.inode.key, h.lf)
-            if e is not None:
-                self._show_own(h.inode, e)
+            await self._close(h.inode, h.lf, final=self._last_writer(h))
+
+    async def _close(self, inode: Inode, lf: LocalFile, *, final: bool) -> None:
+        """Make what `lf` holds the file's content (the backend's close). A cluster close
+        that fails to commit (NoQuorum, InDoubt) withdraws the working copy: the kernel's
+        pages of it are dropped, and the inode shows what the log has."""
+        try:
+            e = await self.backend.close(inode.key, lf, final=final)
+        except NoQuorum:
+            if not inode.detached:
+                inode.content_gen += 1
+                self.notify.inode(inode.ino)
+            raise
+        if e is not None:
+            self._show_committed(inode, lf, e)
+
+    def _show_committed(self, inode: Inode, lf: LocalFile, e: FileEntry) -> None:
+        """Our close committed `e`. Another node's commit of the key may have come after
+        it in the log and been applied while the close returned (skipped then: `lf` was
+        still dirty): then the inode shows that newer entry and `lf` is set aside, or
+        this node went on showing its own older bytes (the partition nemesis: one node
+        disagreed with the others and S3 for good)."""
+        cur = self.backend.entry(inode.key)
+        if (isinstance(cur, FileEntry) and cur.ver > e.ver and not inode.detached
+                and cur.content != e.content):
+            if not lf.dirty and not lf.removed:
+                if lf.opens == 0:
+                    self.local.remove(lf)
+                else:
+                    self.local.set_aside(lf)
+            self._show(inode, cur)
+            self.notify.inode(inode.ino)
+            return
+        self._show_own(inode, e)
+
+    @staticmethod
+    def _last_writer(h: FileHandle) -> bool:
+        """Whether no other handle open for writing shares `h`'s working copy."""
+        assert h.lf is not None
+        return h.lf.writers - int(h.writable) == 0
 
     async def fsync(self, fh: int) -> None:
         h = self.handle(fh)
@@ -1493,7 +1536,13 @@ class Filesystem:
             self.local.observe(lf)
         if lf is None or not lf.dirty or lf.removed:
             return
-        got = await self.backend.fsync(h.inode.key, lf)
+        try:
+            got = await self.backend.fsync(h.inode.key, lf)
+        except NoQuorum:
+            if not h.inode.detached:  # withdrawn, as at a failed close (`_close`)
+                h.inode.content_gen += 1
+                self.notify.inode(h.inode.ino)
+            raise
         if isinstance(got, FileEntry):
             self._show_own(h.inode, got)
         elif isinstance(got, ObjectRef) and not h.inode.detached:
@@ -1521,9 +1570,7 @@ class Filesystem:
         if h.writable and lf.dirty and not lf.removed:
             # Written after the last flush (a dup'ed descriptor, mmap write-back).
             try:
-                e = await self.backend.close(h.inode.key, lf)
-                if e is not None:
-                    self._show_own(h.inode, e)
+                await self._close(h.inode, lf, final=self._last_writer(h))
             except ObjcacheError as ex:
                 log.error("could not make %r durable at its last close: %s", lf.key, ex)
         self.local.closed(lf, h.writable)
@@ -1578,9 +1625,7 @@ class Filesystem:
             if lf.opens == 0 and not lf.removed:
                 # truncate(2)/chmod(2) on a path: as if opened, changed and closed.
                 if lf.dirty:
-                    e = await self.backend.close(inode.key, lf)
-                    if e is not None:
-                        self._show_own(inode, e)
+                    await self._close(inode, lf, final=lf.writers == 0)
                 self.backend.released(lf)
             return self.attr(inode)
         new = _new_attrs(inode.attrs, mode, uid, gid, mtime_ns, atime_ns)
@@ -1811,10 +1856,17 @@ class Filesystem:
             if ch.ours:
                 continue  # our own change: the call that made it updated us already
             lf = self.local.by_key.get(k)
-            if lf is not None and not lf.dirty and lf.opens == 0:
+            if lf is not None and not lf.dirty:
                 # A closed working copy kept here (watched for writes through a mapping)
                 # is older than what another node committed: it no longer shows the file.
-                self.local.remove(lf)
+                # One still open (often only until the RELEASE that follows a close,
+                # which the kernel sends after close(2) returned) is set aside: an open
+                # here used it, and read this node's older bytes instead of the committed
+                # ones (a close-to-open violation the partition nemesis found).
+                if lf.opens == 0:
+                    self.local.remove(lf)
+                else:
+                    self.local.set_aside(lf)
             if ch.entry is None:
                 if is_dir and self.backend.live_under(ch.key):
                     continue  # the marker goes; the directory (with children) stays

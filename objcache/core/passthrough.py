@@ -81,15 +81,6 @@ class Backed:
     obj: ObjFile | None = None
 
 
-def WRITER_HEADROOM(capacity: int) -> int:
-    """Free cache budget a new writer needs to be passed through. Its writes are counted
-    only when they are seen (every 0.2 s: about 280 MB at this machine's 1.4 GB/s, and at
-    close) and cannot be made to wait for write-back: with less room than this (256 MiB,
-    or a quarter of the cache), a writer is served by the daemon, which holds it back
-    when the cache fills."""
-    return max(256 << 20, capacity // 4)
-
-
 def writer_headroom(capacity: int) -> int:
     """Free cache budget a new writer needs to be passed through. Its writes are counted
     only when they are seen (every 0.2 s: about 280 MB at this machine's 1.4 GB/s, and at

@@ -33,6 +33,7 @@ objcache/raft/guard.py.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import threading
@@ -73,6 +74,7 @@ FEED_BYTES = 16 << 20
 BATCH_BYTES = 4 << 20  # one log entry carries at most this much of a batch...
 BATCH_COMMANDS = 256  # ...and this many commands
 BATCHES_IN_FLIGHT = 2
+ANSWER_GRACE = 2.0  # a command sent to a leader gets this long past its timeout to answer
 
 
 def make_conf(data_dir: Path, secret: str, bind: str | None = None) -> SyncObjConf:
@@ -84,11 +86,19 @@ def make_conf(data_dir: Path, secret: str, bind: str | None = None) -> SyncObjCo
         journalFile=str(data_dir / "raft.journal"),
         fullDumpFile=str(data_dir / "raft.dump"),
         dynamicMembershipChange=True,
-        commandsWaitLeader=True,
+        # Without a leader a command fails at once (MISSING_LEADER) and `_call` tries it
+        # again until its timeout. pysyncobj's own wait keeps the command in its queue
+        # with no deadline: a close that had answered EIO was sent when the network
+        # healed, and took effect (the partition nemesis).
+        commandsWaitLeader=False,
         autoTick=True,
         raftMinTimeout=0.4,
         raftMaxTimeout=1.4,
         connectionTimeout=3.5,
+        # A leader that has heard from no majority for this long steps down (pysyncobj's
+        # default is 30 s): a leader cut off from the majority stops taking commands
+        # (which could only be settled after the heal, as in doubt) within seconds.
+        leaderFallbackTimeout=3.5,
         logCompactionMinEntries=200_000,
         logCompactionMinTime=600,
         # one command up to this size travels as one message; bigger ones would take
@@ -269,11 +279,20 @@ class Batcher:
         mine = [_Pending(b) for b in blobs]
         self._queue.extend(mine)
         deadline = trio.current_time() + timeout
-        with trio.move_on_at(deadline):
+        # Commands are taken into a batch until `deadline`. A batch on its way is waited
+        # for, not cancelled: its send is bounded by itself (the raft member's answer
+        # wait, ANSWER_GRACE past its timeout), and its answer says whether the commands
+        # are in the log: a leader that lost its majority steps down and refuses them,
+        # then they are known to be in no log (EIO, not in doubt).
+        with trio.move_on_at(deadline + ANSWER_GRACE + 1):
             while not all(p.done for p in mine):
-                if self._in_flight < self.in_flight_limit and any(p.queued for p in mine):
+                queued = any(p.queued for p in mine)
+                if queued and trio.current_time() >= deadline:
+                    break
+                if queued and self._in_flight < self.in_flight_limit:
                     await self._send_next(deadline)
-                else:
+                    continue
+                with trio.move_on_at(deadline if queued else math.inf):
                     await self._changed.wait()
         for p in mine:
             if p.error is not None:
@@ -281,7 +300,11 @@ class Batcher:
         if not all(p.done for p in mine):
             for p in mine:
                 p.abandoned = True
-            raise NoQuorum(f"the log took no command within {timeout:.1f}s")
+            e = NoQuorum(f"the log took no command within {timeout:.1f}s")
+            # Commands still queued were never handed to a leader: they are in no log
+            # (the abandoned ones are skipped when a batch is made).
+            e.maybe_sent = any(not p.queued for p in mine)
+            raise e
         return [p.result for p in mine], max(p.index for p in mine)
 
     async def _send_next(self, deadline: float) -> None:
@@ -305,7 +328,7 @@ class Batcher:
         self.commands += len(batch)
         try:
             results, index = await self._send([p.blob for p in batch],
-                                              max(0.1, deadline - trio.current_time()))
+                                              max(0.05, deadline - trio.current_time()))
             if len(results) != len(batch):
                 raise NoQuorum(f"a batch of {len(batch)} commands got {len(results)} results")
             for p, r in zip(batch, results, strict=True):
@@ -342,23 +365,58 @@ class RaftNode:
 
     async def _call(self, what: str, start: Any, timeout: float) -> Any:
         """Run a pysyncobj call that reports through callback(result, error) and wait for
-        it from trio; NoQuorum if it fails or does not answer within `timeout`."""
+        it from trio; NoQuorum if it fails or does not answer within `timeout`. While
+        there is no leader (or ours is not connected) it is tried again every 50 ms.
+        NoQuorum.maybe_sent says whether an attempt may have reached a leader's log."""
         token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-        box: dict[str, Any] = {}
+        retry_until = trio.current_time() + timeout  # (an unsent command: no later)
+        deadline = retry_until + ANSWER_GRACE  # (the answer to one that was sent)
+        sent = False
+        while True:
+            if not self._leader_reachable():
+                error: Any = FAIL_REASON.MISSING_LEADER
+            else:
+                sent = True
+                done = trio.Event()
+                box: dict[str, Any] = {}
 
-        def callback(result: Any, error: Any) -> None:  # on pysyncobj's thread
-            box["result"], box["error"] = result, error
-            token.run_sync_soon(done.set)
+                def callback(result: Any, error: Any, box: dict[str, Any] = box,
+                             done: trio.Event = done) -> None:  # on pysyncobj's thread
+                    box["result"], box["error"] = result, error
+                    token.run_sync_soon(done.set)
 
-        start(callback)
-        with trio.move_on_after(timeout + 2):
-            await done.wait()
-        if not done.is_set():
-            raise NoQuorum(f"raft {what} got no answer in {timeout:.0f}s")
-        if box["error"] not in (FAIL_REASON.SUCCESS, None):
-            raise NoQuorum(f"raft {what} failed: {_reason(box['error'])}")
-        return box["result"]
+                start(callback)
+                with trio.move_on_at(deadline):
+                    await done.wait()
+                if not done.is_set():
+                    e = NoQuorum(f"raft {what} got no answer in {timeout:.0f}s")
+                    e.maybe_sent = True
+                    raise e
+                error = box["error"]
+                if error in (FAIL_REASON.SUCCESS, None):
+                    return box["result"]
+                if error not in _NOT_SENT:
+                    e = NoQuorum(f"raft {what} failed: {_reason(error)}")
+                    e.maybe_sent = True
+                    raise e
+            if error != FAIL_REASON.MISSING_LEADER or trio.current_time() + 0.05 > retry_until:
+                e = NoQuorum(f"raft {what} failed: {_reason(error)}")
+                e.maybe_sent = sent and error not in _NOT_SENT
+                raise e
+            await trio.sleep(0.05)
+
+    def _leader_reachable(self) -> bool:
+        """Whether our member has a leader it can send to: itself, or a partner it is
+        connected to. pysyncobj keeps the last leader of a follower that is connected to
+        nobody (it never becomes a candidate), and would hand commands to a connection
+        that is gone."""
+        st = self._replica.getStatus()
+        leader = st.get("leader")
+        if leader is None:
+            return False
+        if str(leader) == self.addr:
+            return True
+        return st.get(f"{_PARTNER}{leader}") == _CONNECTED
 
     async def submit(self, cmd: dict[str, Any], timeout: float = 10.0) -> Any:
         """Commit `cmd` through the log and return what applying it returned."""
@@ -438,6 +496,8 @@ class RaftNode:
                 "apply_lag": max(0, (st.get("commit_idx") or 0) - (st.get("last_applied") or 0)),
                 "leader": None if leader is None else str(leader),
                 "partners": st.get("partner_nodes_count"),
+                "connected": sorted(k[len(_PARTNER):] for k, v in st.items()
+                                    if k.startswith(_PARTNER) and v == _CONNECTED),
                 "log_entries": st.get("log_len"),
                 "commands": getattr(self.state, "applied", None),
                 "batches": self.batcher.batches, "batched_commands": self.batcher.commands,
@@ -462,6 +522,15 @@ class RaftNode:
     def destroy_synchronous(self) -> None:
         """Stop, and return once pysyncobj's thread has ended (nothing applies after)."""
         self._replica.destroy_synchronous()
+
+
+# Answers after which the command is in no log: pysyncobj did not hand it to a leader
+# (none, or its queue was full), the leader refused it, the node asked was no longer the
+# leader, or the entry it got was replaced by another term's (DISCARDED).
+_NOT_SENT = {FAIL_REASON.MISSING_LEADER, FAIL_REASON.QUEUE_FULL, FAIL_REASON.REQUEST_DENIED,
+             FAIL_REASON.NOT_LEADER, FAIL_REASON.DISCARDED}
+_CONNECTED = 2  # pysyncobj's CONNECTION_STATE.CONNECTED in getStatus()
+_PARTNER = "partner_node_status_server_"
 
 
 def _reason(code: int) -> str:

@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from objcache.cluster.peers import field_int, field_str
-from objcache.errors import NoQuorum, NotFound, PeerError, ProtocolError, error_from_code
+from objcache.errors import (
+    InDoubt,
+    NoQuorum,
+    NotFound,
+    PeerError,
+    ProtocolError,
+    StaleObject,
+    error_from_code,
+)
 from objcache.txn.dirtystore import PIECE, DirtyStore
 from objcache.txn.state import ClusterState
 
@@ -63,6 +71,11 @@ class TxnClient:
         self._round_running = False
         self._round_done = trio.Event()
         self._degraded_until = 0.0
+        # Changes that answered ETIMEDOUT, by transaction id, until a fence settles them;
+        # then their outcome (the last 20), for `objcache status`.
+        self.in_doubt: dict[str, str] = {}
+        self.settled: list[str] = []
+        self._doubt = trio.Event()
 
     def routes(self) -> dict[str, Handler]:
         """The dirty-blob requests this node answers (replication and reads of blobs)."""
@@ -85,33 +98,101 @@ class TxnClient:
     # -- committing -----------------------------------------------------------------------
 
     async def submit(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """Commit one command; its result, or the domain error it reports. NoQuorum (EIO)
-        if it could not commit before the deadline."""
-        cmd = dict(cmd, by=self.node_id, tx=f"{self.node_id}/{self._incarnation}/"
-                   f"{next(self._seq)}")
+        """Commit one command; its result, or the domain error it reports.
+
+        If it could not commit before --txn-timeout and may have reached a leader's log,
+        its outcome is settled before the call answers: a `fence` entry either finds it
+        applied (then this is its result) or makes the log refuse it for good (NoQuorum,
+        EIO: it never takes effect). A node cut off from the majority cannot commit the
+        fence either: after --txn-timeout more, InDoubt (ETIMEDOUT), and the fence is
+        retried in the background (`settle_loop`) until the outcome is known."""
+        tx = f"{self.node_id}/{self._incarnation}/{next(self._seq)}"
+        cmd = dict(cmd, by=self.node_id, tx=tx)
+        what = f"{cmd['op']} of {cmd.get('key') or cmd.get('src')!r}"
         deadline = time.monotonic() + self.timeout
         last: Exception | None = None
+        maybe_sent = False
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise NoQuorum(f"{cmd['op']} of {cmd.get('key') or cmd.get('src')!r} could "
-                               f"not commit within {self.timeout:.0f}s: {last}")
+                break
             raft = self.node.raft.raft
             if raft is None:
                 last = NoQuorum("raft is not running yet")
                 await trio.sleep(min(0.2, left))
                 continue
             try:
-                result = await raft.submit(cmd, timeout=max(0.5, min(left, 5.0)))
-                break
+                return self._result(what, await raft.submit(
+                    cmd, timeout=max(0.5, min(left, 5.0))))
             except NoQuorum as e:
                 last = e
+                maybe_sent = maybe_sent or e.maybe_sent
                 await trio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        if not maybe_sent:
+            raise NoQuorum(f"{what} could not commit within {self.timeout:.0f}s "
+                           f"(no leader reachable: {last})")
+        settled = await self._fence([tx], time.monotonic() + self.timeout)
+        if settled is not None:
+            if tx in settled:
+                log.info("%s committed after its deadline (settled by a fence)", what)
+                return self._result(what, settled[tx])
+            raise NoQuorum(f"{what} could not commit within {self.timeout:.0f}s ({last}); "
+                           "fenced: it never takes effect")
+        self.in_doubt[tx] = what
+        self._doubt.set()
+        raise InDoubt(f"{what} could not commit within {self.timeout:.0f}s ({last}), and "
+                      f"its outcome could not be settled within {self.timeout:.0f}s more "
+                      "(cut off from the majority?): it may still take effect")
+
+    @staticmethod
+    def _result(what: str, result: Any) -> dict[str, Any]:
         if isinstance(result, dict) and "error" in result:
             code = result["error"]
-            raise error_from_code(code, f"{cmd['op']} of {cmd.get('key') or cmd.get('src')!r}"
-                                        f": {code}")
+            raise error_from_code(code, f"{what}: {code}")
         return result if isinstance(result, dict) else {}
+
+    async def _fence(self, txs: list[str], deadline: float) -> dict[str, Any] | None:
+        """Commit a fence of `txs` (objcache.txn.state: each is applied already, or is
+        refused from now on) before `deadline`: the results of those that were applied,
+        or None if the fence could not commit."""
+        cmd = {"op": "fence", "txs": txs, "by": self.node_id,
+               "tx": f"{self.node_id}/{self._incarnation}/{next(self._seq)}"}
+        while True:
+            left = deadline - time.monotonic()
+            raft = self.node.raft.raft
+            if left <= 0:
+                return None
+            try:
+                if raft is None:
+                    raise NoQuorum("raft is not running yet")
+                got = await raft.submit(cmd, timeout=max(0.5, min(left, 5.0)))
+            except NoQuorum:
+                await trio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                continue
+            if isinstance(got, dict) and isinstance(got.get("applied"), dict):
+                return got["applied"]
+            return None  # (a malformed fence: cannot happen with our own ids)
+
+    async def settle_loop(self) -> None:
+        """Settle the changes that answered ETIMEDOUT (in doubt) as soon as this node
+        reaches the majority again: their fence commits, and each outcome is logged and
+        kept for `objcache status`."""
+        while True:
+            if not self.in_doubt:
+                await self._doubt.wait()
+                self._doubt = trio.Event()
+                continue
+            txs = list(self.in_doubt)
+            applied = await self._fence(txs, time.monotonic() + 5.0)
+            if applied is None:
+                await trio.sleep(1.0)
+                continue
+            for tx in txs:
+                what = self.in_doubt.pop(tx)
+                outcome = "took effect" if tx in applied else "did not take effect (fenced)"
+                log.warning("%s, which answered ETIMEDOUT (in doubt), %s", what, outcome)
+                self.settled.append(f"{what}: {outcome}")
+            del self.settled[:-20]
 
     async def barrier(self) -> None:
         """Wait until this node has applied everything committed before the call."""
@@ -126,10 +207,7 @@ class TxnClient:
             self._rounds_started += 1
             n = self._rounds_started
             try:
-                raft = self.node.raft.raft
-                if raft is None:
-                    raise NoQuorum("raft is not running yet")
-                await raft.submit({"op": "ns.noop"}, timeout=BARRIER_TIMEOUT)
+                await self._noop(time.monotonic() + BARRIER_TIMEOUT)
             except NoQuorum as e:
                 log.warning("no quorum for a read barrier (%s); serving from what this node "
                             "has applied for %.0fs", e, DEGRADED_FOR)
@@ -140,6 +218,25 @@ class TxnClient:
                 self._round_running = False
                 self._round_done.set()
                 self._round_done = trio.Event()
+
+    async def _noop(self, deadline: float) -> None:
+        """A no-op through the log, tried again until `deadline`: a leader change answers
+        at once (LEADER_CHANGED), and the new leader is usually there well before the
+        deadline; giving up at the first answer left a node of the majority serving a
+        stale view for DEGRADED_FOR after a leader change elsewhere (the partition
+        nemesis's close-to-open violations on connected nodes)."""
+        while True:
+            left = deadline - time.monotonic()
+            raft = self.node.raft.raft
+            try:
+                if raft is None:
+                    raise NoQuorum("raft is not running yet")
+                await raft.submit({"op": "ns.noop"}, timeout=max(0.2, left))
+                return
+            except NoQuorum:
+                if time.monotonic() + 0.05 >= deadline:
+                    raise
+            await trio.sleep(0.05)
 
     # -- placement ------------------------------------------------------------------------
 
@@ -228,15 +325,25 @@ class TxnClient:
         until --peer-timeout has passed since the first try, then PeerError."""
         ms = self.node.membership
         deadline = time.monotonic() + ms.timeout
+        gone: set[str] = set()  # holders that answered they do not hold it (any more)
         while True:
             for node in holders:
-                if node == self.node_id or ms.addr_of(node) is None:
+                if node == self.node_id or node in gone or ms.addr_of(node) is None:
                     continue
-                got = await self.node.client.call(node, {"op": "dread", "cid": cid, **ask},
-                                                  max_data=length, into=into,
-                                                  timeout=self.node.request_timeout)
+                try:
+                    got = await self.node.client.call(
+                        node, {"op": "dread", "cid": cid, **ask}, max_data=length,
+                        into=into, timeout=self.node.request_timeout)
+                except NotFound:
+                    gone.add(node)
+                    continue
                 if got is not None and got[1] is not None:
                     return got[1]
+            if gone and gone >= set(holders) - {self.node_id}:
+                # Every holder dropped it: a newer version replaced this one, and our view
+                # is older (a node cut off from the majority serves what it applied).
+                # ESTALE, as for a handle whose version is gone: reopen to see the file.
+                raise StaleObject(f"blob {cid} is no longer held by {', '.join(holders)}")
             if time.monotonic() >= deadline:
                 raise PeerError(f"no holder of blob {cid} ({', '.join(holders)}) could "
                                 f"serve it within {ms.timeout:g}s")

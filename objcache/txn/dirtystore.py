@@ -59,6 +59,14 @@ def _copy(src: str, dst: str, size: int) -> None:
             off += n
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except FileNotFoundError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
 @dataclass(slots=True)
 class Stage:
     end: int = 0  # bytes [0, end) are in the stage file
@@ -103,7 +111,7 @@ class DirtyStore:
         self.stages: dict[str, Stage] = {}  # replica side: stage id -> what is staged
         self.staged_bytes = 0  # pulled while their file was being written
         for f in self.root.iterdir():
-            if f.name.endswith((".part", ".stage")):
+            if f.name.endswith((".part", ".stage", ".detach")):
                 f.unlink()
                 continue
             size = f.stat().st_size
@@ -123,9 +131,37 @@ class DirtyStore:
         return cid in self.sizes
 
     def seal(self, cid: str, working_copy: str, size: int) -> None:
-        """Make the working copy's current content blob `cid` (a hard link: no copy)."""
+        """Make the working copy's current content blob `cid` (a hard link: no copy; the
+        working copy is not written again before `detach`, or a copy of its own)."""
         os.link(working_copy, self.path(cid))
         self._add(cid, size)
+
+    async def detach(self, cid: str, working_copy: str,
+                     check: Callable[[str], Awaitable[bool]]) -> None:
+        """Blob `cid` was sealed as a hard link to a working copy the kernel writes
+        without us (`seal`): give it a file of its own before that working copy is
+        written again. The copy is kept if `check(path)` finds the committed bytes in it;
+        if not (a shared mapping or an inherited descriptor wrote the file after its
+        close), this node holds the blob no more and its readers go to the other
+        holders."""
+        path = self.path(cid)
+        if cid not in self.sizes or not _same_file(path, working_copy):
+            return  # dropped meanwhile (written back), or detached already
+        tmp = path + ".detach"
+        try:
+            await trio.to_thread.run_sync(_copy, working_copy, tmp, self.sizes[cid],
+                                          limiter=self.io)
+            ok = await check(tmp)
+            if cid in self.sizes and ok:
+                os.rename(tmp, path)
+                return
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        if cid in self.sizes:
+            log.warning("blob %s was written after its close (through a shared mapping or "
+                        "an inherited descriptor): this node no longer holds it", cid)
+            self.drop(cid)
 
     async def seal_copy(self, cid: str, working_copy: str, size: int) -> None:
         """Make a copy of the working copy's current content blob `cid` (for a file the

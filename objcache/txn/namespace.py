@@ -204,7 +204,9 @@ class Namespace:
         if cur is not None and not isinstance(cur, FileEntry):
             raise IsADirectory(key)
         self._del(key)
-        if cmd.get("s3"):
+        if cmd.get("s3") or key in self.claims:
+            # (claimed: a write-back may be putting it into S3 right now; the tombstone
+            # has the object deleted after it lands, or it would come back)
             self._tomb(key, ver)
         return {"ok": True}
 
@@ -272,7 +274,7 @@ class Namespace:
             if old in (src, src + "/"):  # what was renamed (not its contents): new ctime
                 e = replace(e, attrs=e.attrs.changed_at(int(at * 1e9)))
             self._set(new, e, ver)
-            if old in s3:
+            if old in s3 or old in self.claims:  # (claimed: see _unlink)
                 self._tomb(old, ver)
         if is_dir:
             if dir_attrs is not None and self._live(dp) is None:

@@ -36,6 +36,8 @@ class ClusterState:
         self.applied = 0
         self.ns = Namespace()
         self._tx: OrderedDict[str, Any] = OrderedDict()
+        # Transactions fenced by their submitter (`fence`): refused if they come later.
+        self._fenced: OrderedDict[str, None] = OrderedDict()
         self.last_changes: list[NsChange] = []
         # Raft applies on its own thread while trio reads: one lock around both.
         self.lock = threading.Lock()
@@ -48,6 +50,7 @@ class ClusterState:
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
+        self.__dict__.setdefault("_fenced", OrderedDict())  # (a snapshot from before it)
         self.lock = threading.Lock()
 
     # -- applying --------------------------------------------------------------------------
@@ -66,10 +69,14 @@ class ClusterState:
                 return {"error": "malformed command: tx must be a string"}
             if tx in self._tx:
                 return self._tx[tx]
+            if tx in self._fenced:
+                return {"error": "fenced"}
         op = cmd.get("op")
         try:
             if op == "member":
                 result: Any = self._member(cmd)
+            elif op == "fence":
+                result = self._fence(cmd)
             elif isinstance(op, str) and op.startswith("ns.") and op[3:] in _NS_OPS:
                 result = self.ns.apply(op[3:], cmd, self.applied + 1)
             else:
@@ -82,6 +89,22 @@ class ClusterState:
             while len(self._tx) > MAX_REMEMBERED_TX:
                 self._tx.popitem(last=False)
         return result
+
+    def _fence(self, cmd: dict[str, Any]) -> Any:
+        """Settle transactions whose submitter gave up on them: each one applied already
+        reports its result; every other one is fenced, so that it is refused if it
+        reaches the log later (a resent or delayed copy). After this entry, whether each
+        took effect is decided for good."""
+        txs = cmd["txs"]
+        if not isinstance(txs, list) or not all(isinstance(t, str) for t in txs):
+            return {"error": "malformed fence: txs must be a list of ids"}
+        applied = {t: self._tx[t] for t in txs if t in self._tx}
+        for t in txs:
+            if t not in applied:
+                self._fenced[t] = None
+        while len(self._fenced) > MAX_REMEMBERED_TX:
+            self._fenced.popitem(last=False)
+        return {"applied": applied, "fenced": [t for t in txs if t not in applied]}
 
     def _member(self, cmd: dict[str, Any]) -> Any:
         node = str(cmd["node"])

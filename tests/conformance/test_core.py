@@ -352,6 +352,29 @@ async def test_close_to_open_across_nodes(env: Env) -> None:
         await env.b.fs.release(fh)
 
 
+async def test_close_to_open_while_this_nodes_last_writer_is_not_released(env: Env) -> None:
+    """The kernel sends RELEASE after close(2) has returned: a node whose writer closed
+    (committed) but is not released yet still opens, after another node's close, what
+    that node committed, not its own older working copy (found by the partition
+    nemesis on a healthy cluster)."""
+    await env.b.write("f", b"b-first")
+    fh = await env.b.open("f", os.O_WRONLY | os.O_TRUNC)
+    await env.b.fs.write(fh, 0, b"b-second")
+    await env.b.fs.flush(fh)  # close(2) returned; the RELEASE has not come yet
+    await env.a.write("f", b"a-third")
+    assert await env.b.read("f") == b"a-third"
+    # A new working copy of the name while the old one is set aside: they must not share
+    # a data file (a reused file id did, and the old one's removal deleted the new one's).
+    fh2 = await env.b.open("f", os.O_WRONLY | os.O_TRUNC)
+    await env.b.fs.write(fh2, 0, b"b-fourth")
+    await env.b.fs.flush(fh2)
+    await env.b.fs.release(fh)
+    await env.b.fs.write(fh2, 8, b"!")
+    await env.b.close(fh2)
+    assert await env.b.read("f") == b"b-fourth!"
+    assert await env.a.read("f") == b"b-fourth!"
+
+
 async def test_a_changed_object_is_seen_after_the_ttl(env: Env, tmp_path: Path) -> None:
     env.put("v", b"one")
     ttl = env.a.fs.ttl

@@ -1,4 +1,5 @@
-"""A cluster of objcache daemons as separate processes on 127.0.0.1 (tests, benchmarks)."""
+"""A cluster of objcache daemons as separate processes on 127.0.0.1 (tests, benchmarks), or
+each on a test host of its own (tests/helpers/netns.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Protocol
 
 from tests.helpers.mount import Mount
 
@@ -24,12 +26,23 @@ def free_port() -> int:
             return port
 
 
+class Hosts(Protocol):
+    """Where node i runs: its address, the command prefix that runs it there, and its S3
+    endpoint (tests/helpers/netns.py's test hosts)."""
+
+    def ip(self, i: int) -> str: ...
+    def wrap(self, i: int) -> tuple[str, ...]: ...
+    def endpoint(self, i: int) -> str: ...
+
+
 class Cluster:
     """objcache daemons as separate processes on 127.0.0.1, sharing one bucket and secret,
-    each with its own mountpoint, cache dir and peer port."""
+    each with its own mountpoint, cache dir and peer port (or on `hosts`)."""
 
-    def __init__(self, endpoint: str, bucket: str, root: Path, mounts: list[Mount]) -> None:
+    def __init__(self, endpoint: str, bucket: str, root: Path, mounts: list[Mount],
+                 hosts: Hosts | None = None) -> None:
         self.endpoint, self.bucket, self.root, self._mounts = endpoint, bucket, root, mounts
+        self.hosts = hosts
         self.secret = root / "cluster.key"
         self.secret.write_text(os.urandom(32).hex())
         self.secret.chmod(0o600)
@@ -39,15 +52,16 @@ class Cluster:
     def add(self, *extra: str, secret: Path | None = None, start: bool = True,
             peers: str | None = None) -> Mount:
         i = len(self.nodes)
-        addr = f"127.0.0.1:{free_port()}"
+        h = self.hosts
+        addr = f"{h.ip(i) if h else '127.0.0.1'}:{free_port()}"
         peers = ",".join(self.addrs) if peers is None else peers
         flags = ["--listen", addr, "--raft-port", str(free_port()),
                  "--cluster-secret-file", str(secret or self.secret),
                  "--cache-size", "1G", "--peer-timeout", "3", *extra]
         if peers:
             flags += ["--peers", peers]
-        m = Mount(self.endpoint, self.bucket, self.root / f"mnt{i}", self.root / f"cache{i}",
-                  *flags)
+        m = Mount(h.endpoint(i) if h else self.endpoint, self.bucket, self.root / f"mnt{i}",
+                  self.root / f"cache{i}", *flags, wrap=h.wrap(i) if h else ())
         m.addr = addr  # type: ignore[attr-defined]
         self._mounts.append(m)
         self.nodes.append(m)

@@ -61,8 +61,10 @@ class Mount:
     """One objcache daemon in the foreground as a child process."""
 
     def __init__(self, endpoint: str, bucket: str, mnt: Path, cache: Path,
-                 *extra: str, environ: dict[str, str] | None = None) -> None:
+                 *extra: str, environ: dict[str, str] | None = None,
+                 wrap: tuple[str, ...] = ()) -> None:
         self.endpoint, self.bucket, self.mnt, self.cache = endpoint, bucket, mnt, cache
+        self.wrap = wrap  # a prefix that runs the daemon elsewhere (a network namespace)
         self.extra = extra if "--no-passthrough" in extra else extra + SUITE_FLAGS
         self.environ = environ
         self.proc: subprocess.Popen[bytes] | None = None
@@ -70,7 +72,7 @@ class Mount:
         self.log_path = cache.parent / f"{cache.name}.log"
 
     def start(self, timeout: float = 30) -> Mount:
-        args = [sys.executable, "-m", "objcache", "mount", f"s3://{self.bucket}",
+        args = [*self.wrap, sys.executable, "-m", "objcache", "mount", f"s3://{self.bucket}",
                 str(self.mnt), "--endpoint-url", self.endpoint, "--cache-dir", str(self.cache),
                 "--foreground", "--log-level", "debug", *self.extra]
         self.log = open(self.log_path, "ab")  # noqa: SIM115

@@ -381,3 +381,29 @@ def test_a_mapping_written_after_close_reaches_s3(s3, bucket, mount, mode):  # t
         assert time.monotonic() < deadline, "what the mapping wrote never reached S3"
         time.sleep(0.5)
     assert len(body) == MiB
+
+
+def test_a_closed_file_is_sealed_without_a_copy(cluster, mode):  # type: ignore
+    """In a cluster, close() makes the written file a blob by a hard link, with no copy of
+    its bytes, also when the kernel wrote them; a writer that opens the file again gets its
+    working copy only once the blob has a file of its own: the committed bytes stay as they
+    were, and the other node reads them until that writer closes."""
+    a = cluster.add(*MODES[mode], "--writeback-delay", "120")
+    b = cluster.add(*MODES[mode], "--writeback-delay", "120")
+    cluster.wait_raft([a, b], 2)
+    one = os.urandom(3 * MiB)
+    (a.mnt / "ck.bin").write_bytes(one)
+    blobs = [p for p in (a.cache / "dirty").iterdir() if "." not in p.name]
+    assert len(blobs) == 1
+    assert blobs[0].stat().st_nlink == 2  # the working copy's file: no copy was made
+    before = served(a)
+    fd = os.open(a.mnt / "ck.bin", os.O_RDWR)
+    try:
+        assert os.pwrite(fd, b"again", 0) == 5
+        assert blobs[0].stat().st_nlink == 1 and blobs[0].read_bytes() == one
+        assert (b.mnt / "ck.bin").read_bytes() == one  # not closed yet
+    finally:
+        os.close(fd)
+    if mode == "passthrough":
+        assert served(a) == before  # (written by the kernel)
+    assert (b.mnt / "ck.bin").read_bytes() == b"again" + one[5:]

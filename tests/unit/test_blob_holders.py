@@ -78,3 +78,25 @@ async def test_no_holder_within_the_peer_timeout_is_an_error() -> None:
     with pytest.raises(PeerError, match="within 0.5s"):
         await txn.read_blob("c1", ["a", "b"], 0, 4)
     assert 0.5 <= time.monotonic() - t0 < 2.0
+
+
+async def test_a_blob_every_holder_dropped_is_estale_not_enoent() -> None:
+    """A node reading with an old view (cut off from the majority) names a blob its holders
+    dropped since (the file was overwritten): ESTALE, as for a handle whose version is
+    gone, not the holders' ENOENT (the partition nemesis read ENOENT for a file that
+    exists)."""
+    from objcache.errors import NotFound, StaleObject
+
+    node = Node(timeout=3.0)
+    node.membership.addrs["b"] = "127.0.0.1:1"
+
+    async def dropped(node_id: str, msg: dict[str, Any], max_data: int, timeout: float,
+                      into: memoryview | None = None) -> Any:
+        raise NotFound(f"blob {msg['cid']} is not held here")
+
+    node.client.call = dropped  # type: ignore[method-assign]
+    txn = TxnClient(node, NoBlobs(), 2, 10.0)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    with pytest.raises(StaleObject):
+        await txn.read_blob("c1", ["a", "b"], 0, 4)
+    assert time.monotonic() - t0 < 1.0

@@ -1,5 +1,6 @@
-"""Pulling a blob from a holder (objcache/txn/dirtystore.py): a holder that fails midway
-fails the pull with its own error, leaves no partial blob, and the next pull works."""
+"""Blobs of objcache/txn/dirtystore.py: a holder that fails midway fails the pull with its
+own error, leaves no partial blob, and the next pull works; a blob sealed as a hard link
+gets a file of its own before its working copy changes."""
 
 from __future__ import annotations
 
@@ -34,3 +35,51 @@ async def test_a_failed_pull_raises_the_holders_error_and_leaves_nothing(tmp_pat
     await ds.pull("c0ffee", len(data), good)
     assert ds.has("c0ffee")
     assert await trio.Path(ds.path("c0ffee")).read_bytes() == data
+
+
+
+def _read(path: str | Path) -> bytes:
+    return Path(path).read_bytes()
+
+
+def _exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def _poke(path: Path, data: bytes) -> None:
+    """Write `data` at the start of the file, in place (its inode stays)."""
+    with open(path, "r+b") as f:
+        f.write(data)
+
+async def test_a_linked_blob_gets_its_own_file_before_the_working_copy_changes(
+        tmp_path: Path) -> None:
+    """A blob sealed as a hard link to a working copy the kernel writes without us is
+    given a copy of its own before the next writer (DirtyStore.detach): kept when it still
+    holds the committed bytes, dropped (this node holds it no more) when something wrote
+    the file after its close."""
+    ds = DirtyStore(tmp_path, lambda n: True, lambda n: None)
+    work = tmp_path / "working"
+    one = os.urandom(1 << 20)
+    work.write_bytes(one)
+
+    def check(expected: bytes):  # type: ignore[no-untyped-def]
+        async def fn(path: str) -> bool:
+            return _read(path) == expected
+        return fn
+
+    ds.seal("b1", str(work), len(one))
+    assert os.stat(ds.path("b1")).st_ino == os.stat(work).st_ino  # no copy at close
+    await ds.detach("b1", str(work), check(one))
+    assert os.stat(ds.path("b1")).st_ino != os.stat(work).st_ino
+    _poke(work, b"written again")
+    assert _read(ds.path("b1")) == one
+    await ds.detach("b1", str(work), check(one))  # detached already: nothing to do
+    assert ds.has("b1")
+
+    # Written after the close, behind our back (a shared mapping): the blob is dropped.
+    work.write_bytes(one)
+    ds.seal("b2", str(work), len(one))
+    _poke(work, b"through a mapping")
+    await ds.detach("b2", str(work), check(one))
+    assert not ds.has("b2") and not _exists(ds.path("b2"))
+    assert sorted(p.name for p in ds.root.iterdir()) == ["b1"]  # no copy left behind

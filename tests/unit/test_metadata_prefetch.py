@@ -185,3 +185,26 @@ async def test_a_pause_for_waste_ends(env, monkeypatch) -> None:  # type: ignore
         await fs.lookup(d, f"{i:05d}")
     await trio.sleep(0.3)
     assert store.calls["head"] >= 40 + META_PREFETCH  # going ahead of the stats again
+
+
+async def test_a_prefetch_ahead_of_slow_readers_waits_for_them(env) -> None:  # type: ignore
+    """A sweep of stats starts the prefetch with the stat window; once the files are
+    being read the window is shorter, so the prefetch is further ahead than it may go and
+    waits for the readers. Each step a reader makes must not end it: it did, and the
+    entries it had fetched ahead counted as waste, which paused prefetching for the next
+    sweep too (a cold `ls -l` of 10,000 entries on a WAN-like S3 took 27 s instead of 6 s,
+    in 3 of 12 runs)."""
+    fs, store = env
+    d = await _listed_dir(fs)
+    for i in range(10):  # `ls -l` over the start of it
+        await fs.lookup(d, f"{i:05d}")
+    await trio.sleep(0.3)
+    assert store.calls["head"] >= META_PREFETCH_WINDOW  # well ahead
+    for i in range(10, 10 + 2 * META_READ_WINDOW):  # then a slow reader goes through
+        attr = await fs.lookup(d, f"{i:05d}")
+        fh, _, _ = await fs.open(attr.ino, os.O_RDONLY)
+        await fs.read(fh, 0, 1 << 20)
+        await fs.release(fh)
+        await trio.sleep(0.002)
+    assert d in fs._meta_prefetching  # still there for the rest of the sweep
+    assert fs._prefetch_wasted == 0 and not fs._prefetch_wasteful()

@@ -92,3 +92,43 @@ def test_malformed_rename_changes_nothing_and_states_agree() -> None:
         assert ra == rb
     assert "error" in a._tx["2"] and a.ns.get("r/q") is not None and a.ns.get("p/q") is None
     assert a.digest() == b.digest()
+
+
+def test_a_fence_settles_a_transaction_for_good() -> None:
+    """`fence` (a submitter that gave up on its transactions): one applied already reports
+    its result; one not applied yet is refused when it comes later (a resent or delayed
+    copy), and the states of all nodes agree."""
+    a, b = ClusterState(), ClusterState()
+    for st in (a, b):
+        assert st.apply({"tx": "n/1", "op": "ns.create", "key": "x", "e": f()})["ok"]
+        got = st.apply({"tx": "n/3", "op": "fence", "txs": ["n/1", "n/2"]})
+        assert got["fenced"] == ["n/2"] and got["applied"]["n/1"]["ok"]
+        late = st.apply({"tx": "n/2", "op": "ns.commit", "key": "x",
+                         "e": f(size=3, cid="c2"), "must_exist": True})
+        assert late == {"error": "fenced"}
+        e = st.ns.get("x")
+        assert isinstance(e, FileEntry) and e.cid is None  # the late commit changed nothing
+    assert a.digest() == b.digest()
+    assert a.apply({"tx": "n/4", "op": "fence", "txs": "n/2"})["error"].startswith("malformed")
+
+
+def test_an_unlink_or_rename_while_a_write_back_is_claimed_leaves_a_tombstone() -> None:
+    """A file whose write-back holds a claim may be landing in S3 while it is unlinked or
+    renamed (the coordinator's HEAD saw no object yet): a tombstone has the object that
+    lands deleted. Without it the acknowledged unlink was undone by the upload (the
+    partition nemesis: an unlinked file back on every node and in S3)."""
+    st, n = ClusterState(), [0]
+    for key in ("u", "r"):
+        assert run(st, n, op="ns.create", key=key, e=f(size=3, cid="c"))["ok"]
+        ver = st.ns.get(key).ver  # type: ignore[union-attr]
+        assert run(st, n, op="ns.claim", key=key, node="a", ver=ver, at=1.0, lease=80.0)["ok"]
+    assert run(st, n, op="ns.unlink", key="u", s3=False)["ok"]
+    assert isinstance(st.ns.get("u"), Tombstone)
+    assert run(st, n, op="ns.rename", src="r", dst="r2", dir=False, objects=[],
+               e=None)["ok"]
+    assert isinstance(st.ns.get("r"), Tombstone)
+    assert isinstance(st.ns.get("r2"), FileEntry)
+    # Without a claim nothing is left behind.
+    assert run(st, n, op="ns.create", key="v", e=f())["ok"]
+    assert run(st, n, op="ns.unlink", key="v", s3=False)["ok"]
+    assert st.ns.get("v") is None

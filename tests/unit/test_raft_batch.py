@@ -112,3 +112,24 @@ def test_the_feed_hands_out_what_follows_or_asks_for_a_snapshot() -> None:
         feed.add(10, b"e10")  # over max_entries: the oldest goes
     assert feed.base == 5 and feed.since(4, 1 << 20) is None
     assert [i for i, _ in feed.since(5, 1 << 20) or []] == [6, 8, 9, 10]
+
+
+async def test_a_command_that_timed_out_in_the_queue_was_never_sent(autojump_clock: Any
+                                                                    ) -> None:
+    """Whether a timed-out command may be in the log decides between EIO and settling
+    it by a fence (objcache.txn.coordinator): one still queued behind a slow batch is
+    in no log; one whose batch was on its way may be."""
+    batcher = Batcher(Log(delay=10).send, in_flight=1)
+    errors: dict[str, NoQuorum] = {}
+
+    async def one(name: str, timeout: float) -> None:
+        with pytest.raises(NoQuorum) as e:
+            await batcher.submit([pack({"n": 1})], timeout)
+        errors[name] = e.value
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, "sent", 3)
+        await trio.sleep(0.5)
+        nursery.start_soon(one, "queued", 1)
+    assert errors["sent"].maybe_sent
+    assert not errors["queued"].maybe_sent

@@ -1,0 +1,66 @@
+"""A command that failed for want of a leader is in no log and never applies later: with
+pysyncobj's commandsWaitLeader it stayed queued on the member, with no deadline, and was
+sent to the first leader there was (a close that had answered EIO took effect when the
+network healed). Three real members in this process, on loopback."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from objcache.errors import NoQuorum
+from objcache.raft.node import RaftNode
+from tests.helpers.cluster import free_port
+
+
+class Log:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"seen": list(self.seen)}
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.seen = d["seen"]
+        self.lock = threading.Lock()
+
+    def apply(self, cmd: dict[str, Any]) -> Any:
+        with self.lock:
+            self.seen.append(str(cmd.get("name")))
+        return {"ok": True}
+
+
+async def test_a_command_without_a_leader_never_applies_later(tmp_path: Path) -> None:
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    made: list[RaftNode] = []
+
+    def member(i: int) -> RaftNode:
+        node = RaftNode(addrs[i], addrs, tmp_path / f"m{i}", "k" * 32, Log())
+        made.append(node)
+        return node
+
+    try:
+        alone = member(0)  # its partners are not running: no leader
+        with pytest.raises(NoQuorum) as e:
+            await alone.submit({"name": "early"}, timeout=1.0)
+        assert not e.value.maybe_sent
+        member(1)
+        member(2)
+        with trio.fail_after(30):
+            while True:
+                try:
+                    await alone.submit({"name": "later"}, timeout=2.0)
+                    break
+                except NoQuorum:
+                    await trio.sleep(0.1)
+        await trio.sleep(1.0)  # (a queued command would be sent with the first ones)
+        for node in made:
+            assert "early" not in node.state.seen, node.state.seen
+    finally:
+        for node in made:
+            node.destroy()
