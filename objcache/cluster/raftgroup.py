@@ -182,12 +182,17 @@ class RaftGroup(Generic[T]):
             self._become_voter(json.loads((self.dir / "partners.json").read_text()))
             return
         best = self._best_group()
-        deadline = time.monotonic() + FORM_WAIT
-        while best is None and time.monotonic() < deadline and any(
-                m.state == ALIVE and m.raft and m.id < self.membership.me.id
-                for m in self.membership.members.values()):
-            # Members starting with us: the one with the lowest id forms the group, the
-            # others wait for it rather than form groups of one that must merge later
+        # A node that joined through others forms a group only when it learns of none
+        # within FORM_WAIT (all members starting at once, from zero), and then only the
+        # one with the lowest id; the others wait for it (3x as long at most). A seed that
+        # is joining too knows no group yet: a node that joined through one formed a second
+        # group at once, and the learners that found it first followed it (two namespaces).
+        started = trio.current_time()
+        while best is None and self.membership.members:
+            lower = any(m.state == ALIVE and m.raft and m.id < self.membership.me.id
+                        for m in self.membership.members.values())
+            if trio.current_time() - started >= FORM_WAIT * (3 if lower else 1):
+                break
             await trio.sleep(0.2)
             best = self._best_group()
         if best is None:
