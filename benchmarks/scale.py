@@ -324,6 +324,12 @@ class Scale:
 
         v0 = raft_view(status(lead))
         assert v0 is not None
+        # every daemon's CPU too, by role: what a commit costs a voter that feeds learners
+        # and a member that only applies (the paper model's per-member cost)
+        roles = [(raft_view(s) or RaftView(None, [], "?", 0, 0, 0, 0.0)).role
+                 for s in self.statuses(nodes)]
+        npids = [self.pid(m) for m in nodes]
+        all0 = [cpu_seconds(p) for p in npids]
         cpu0, raft0 = cpu_seconds(lpid), v0.thread_cpu
         ts = [threading.Thread(target=work, args=(m, t)) for m in nodes for t in range(writers)]
         sampler = threading.Thread(target=sample)
@@ -338,6 +344,7 @@ class Scale:
         elapsed = time.perf_counter() - t0
         self.last_write = time.monotonic()
         cpu1 = cpu_seconds(lpid)
+        all1 = [cpu_seconds(p) for p in npids]
         v1 = raft_view(status(lead))
         assert v1 is not None
         raft1 = v1.thread_cpu
@@ -352,6 +359,9 @@ class Scale:
                 break
             time.sleep(0.02)
         closes = sum(counts)
+        per_role: dict[str, list[float]] = {}
+        for role, a, b in zip(roles, all0, all1, strict=True):
+            per_role.setdefault(role, []).append((b - a) * 1e3 / max(1, closes))
         entries = v1.commit - v0.commit
         cmds = v1.commands - v0.commands
         return {"writers": len(ts), "closes": closes,
@@ -362,6 +372,11 @@ class Scale:
                 "leader_raft_thread_ms_per_close": round((raft1 - raft0) * 1e3 / max(1, closes),
                                                          3),
                 "leader_cpu_cores": round((cpu1 - cpu0) / elapsed, 2),
+                # (these members write too: 1/(N-1) of the closes each, and apply all)
+                "member_cpu_ms_per_close_median": {
+                    k: round(statistics.median(v), 3) for k, v in per_role.items()},
+                "all_daemons_cpu_ms_per_close": round(
+                    (sum(all1) - sum(all0) + cpu1 - cpu0) * 1e3 / max(1, closes), 3),
                 "apply_lag_max_entries": max(lags, default=0),
                 "slowest_member_catch_up_ms": ms(catch_up) if catch_up >= 0 else None}
 
@@ -567,6 +582,10 @@ def table(out: dict[str, Any]) -> str:
         ("leader CPU per close (ms): process / Raft thread",
          lambda r: f"{r['commits']['leader_cpu_ms_per_close']} / "
                    f"{r['commits']['leader_raft_thread_ms_per_close']}"),
+        ("CPU per close (ms): follower voter / learner, median; all daemons",
+         lambda r: f"{r['commits']['member_cpu_ms_per_close_median'].get('follower', '-')} / "
+                   f"{r['commits']['member_cpu_ms_per_close_median'].get('learner', '-')}; "
+                   f"{r['commits']['all_daemons_cpu_ms_per_close']}"),
         ("apply lag, slowest member: max entries / catch-up (ms)",
          lambda r: f"{r['commits']['apply_lag_max_entries']} / "
                    f"{r['commits']['slowest_member_catch_up_ms']}"),
