@@ -168,7 +168,8 @@ def watched(m: Mount, fn: Callable[[], float], less: dict[str, Any] | None,
 
 
 REPS = 7  # pairs of (local twin, objcache) per figure: this machine varies 2x and more
-# (a median of 5 moved a load's ratio from 1.05x to 1.31x between two runs of one code)
+# (with 5, a warm load's ratio was 1.05x, 1.00x and 1.31x in three runs whose load path,
+# the kernel's passthrough, had not changed)
 
 
 def next_to(local: Callable[[], float], m: Mount, fn: Callable[[], float],
