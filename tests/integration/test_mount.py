@@ -233,7 +233,8 @@ def test_background_mount_and_status(seaweed, bucket, tmp_path, mounts):  # type
     (mnt / "x").write_bytes(b"1")
     out = objcache("status", str(mnt)).stdout
     assert "dirty:" in out and "hit ratio" in out and "objcache-test" not in out
-    st = m.status()
+    st = json.loads(objcache("status", str(mnt), "--json").stdout)
+    assert set(st) == set(m.status()) and st["pid"] == m.status()["pid"]
     assert st["cache"]["capacity_bytes"] == 10 << 30
     assert {"used_bytes", "hit_ratio"} <= set(st["cache"])
     assert {"files", "bytes", "oldest_age_seconds"} <= set(st["dirty"])
