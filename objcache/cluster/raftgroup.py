@@ -117,6 +117,7 @@ class RaftGroup(Generic[T]):
         self._held: list[tuple[int, T | None]] = []
         self._deliver_lock = threading.Lock()
         self._closed = False
+        self._leaving = False
         self.ready = False
         self.promotions = 0
         self.demotions = 0
@@ -339,6 +340,11 @@ class RaftGroup(Generic[T]):
         voters = msg.get("voters")
         if not (isinstance(voters, list) and all(isinstance(v, str) for v in voters)):
             raise ProtocolError("raft_promote needs the voters")
+        if self._leaving:
+            # Between the group's removing us and our LEFT reaching the leader, we still
+            # look like a learner of its group: voting again would count a member that is
+            # about to stop (a group of two with one of them gone has no quorum).
+            raise PeerError("this node is leaving the cluster")
         if isinstance(self._current, RaftNode) or self._promoting is not None:
             return {"ok": True}, None
         if self.learner is None:
@@ -583,6 +589,7 @@ class RaftGroup(Generic[T]):
     async def leave(self) -> None:
         """Leave the group. Returns once the group no longer counts us (bounded), so that
         the next node to leave still finds a quorum."""
+        self._leaving = True
         cur = self._current
         if cur is None:
             return
