@@ -249,6 +249,10 @@ def test_mmap_reads_each_byte_from_s3_once(s3, bucket, mount):  # type: ignore
     m = mount("--writeback-delay", "3600")
     with open(m.mnt / "m.bin", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
         assert mm[MiB:MiB + 4096] == data[MiB:MiB + 4096]
+    # (the count is taken when the fetch ends, which may be after the page it brought in
+    # was served)
+    wait_for(lambda: m.status()["cache"]["bytes_read_from_s3"] >= len(data), timeout=10,
+             what="the fetch to be counted")
     assert m.status()["cache"]["bytes_read_from_s3"] == len(data)
     with open(m.mnt / "open.txt", "w+b") as f:  # unlinked while open: never uploaded
         f.write(b"still here")
