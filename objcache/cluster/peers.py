@@ -106,13 +106,8 @@ class PeerServer:
         try:
             with trio.fail_after(HANDSHAKE_TIMEOUT):
                 node = await server_handshake(fs, self.key)
-            while True:
-                with trio.move_on_after(IDLE_TIMEOUT) as idle:
-                    msg = await fs.recv_msg()
-                if idle.cancelled_caught:
-                    return
-                reply, data = await self._dispatch(node, msg)
-                await fs.send_msg(reply, data)
+            while await self._answer_one(fs, node):
+                pass
         except trio.TooSlowError:
             self.rejected += 1
             log.warning("dropped peer connection from %s: no handshake within %.0fs",
@@ -125,6 +120,19 @@ class PeerServer:
         finally:
             self.connections -= 1
             await stream.aclose()
+
+    async def _answer_one(self, fs: FrameStream, node: str) -> bool:
+        """Answer the connection's next request; False once it stayed silent too long.
+        Its own frame: the request and the reply (a chunk's bytes, a snapshot) are freed
+        once answered, not kept while the connection waits for the next request (up to
+        IDLE_TIMEOUT, on every pooled connection of every peer)."""
+        with trio.move_on_after(IDLE_TIMEOUT) as idle:
+            msg = await fs.recv_msg()
+        if idle.cancelled_caught:
+            return False
+        reply, data = await self._dispatch(node, msg)
+        await fs.send_msg(reply, data)
+        return True
 
     async def _dispatch(self, node: str, msg: dict[str, Any]
                         ) -> tuple[dict[str, Any], bytes | None]:

@@ -3,9 +3,11 @@ what happens to wrong keys, garbage and oversized frames."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import struct
+import weakref
 from typing import Any
 
 import pytest
@@ -104,3 +106,29 @@ async def test_unreachable_peer_is_a_peer_error() -> None:
     # Closed again: nothing listens there now.
     with pytest.raises(PeerError, match="cannot connect"):
         await PeerPool(KEY, "a").request(f"127.0.0.1:{port}", {"op": "x"}, timeout=2)
+
+
+async def test_an_answered_reply_is_not_kept_while_the_connection_waits(
+        nursery: trio.Nursery) -> None:
+    """A served chunk (4-8 MiB) must be freed once sent: a pooled connection waits up to
+    IDLE_TIMEOUT for its next request, and a node serving N peers over several pooled
+    connections each kept one chunk per connection (the scale run's 260-330 MB daemons)."""
+    sent: list[weakref.ref[memoryview]] = []
+
+    async def handler(peer: str, msg: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        data = memoryview(bytearray(1 << 20))
+        sent.append(weakref.ref(data))
+        return {"data": len(data)}, data
+
+    server = PeerServer(KEY, handler)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    await nursery.start(trio.serve_listeners, server.serve_one, listeners)
+    addr = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    pool = PeerPool(KEY, "node-a")
+    _, data = await pool.request(addr, {"op": "chunk"}, timeout=5, max_data=1 << 20)
+    assert data is not None and len(data) == 1 << 20
+    assert server.connections == 1  # still open, waiting for the next request
+    await trio.sleep(0.05)  # the server's task gets back to waiting
+    gc.collect()
+    assert sent and sent[0]() is None, "the server still holds the reply it sent"
+    await pool.aclose()
