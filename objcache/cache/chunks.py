@@ -155,6 +155,18 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 FALLOC_FL_KEEP_SIZE = 1
 FALLOC_FL_PUNCH_HOLE = 2
+_malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc's; other C libraries: none
+
+
+def release_free_heap() -> None:
+    """Give the C allocator's free pages back to the system (glibc's malloc_trim: a few
+    microseconds when there is little to give). Chunk-sized bytes (a range served to a
+    peer, a read's reply) come and go all the time; once glibc has freed one it raised
+    its mmap threshold, so the next ones are carved from the heap, and the free space they
+    leave between live objects stays resident: 45 MB in an in-process cluster after three
+    cold reads of 64 MiB, 8 MiB chunks, freed by this."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def punch_hole(path: str, offset: int, length: int) -> None:
@@ -719,7 +731,8 @@ class ChunkCache:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         """Own the downloads (they outlive the reader that started them: others may be
-        waiting), the periodic atime writer and the trimming of idle buffers."""
+        waiting), the periodic atime writer and, while nothing is downloading, the
+        trimming of idle buffers and of the allocator's free memory."""
         self.s3.token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -734,6 +747,7 @@ class ChunkCache:
                             self._release_recent(cid)
                     if not self._fetching:
                         self.buffers.trim()
+                        release_free_heap()
             finally:
                 self.flush_atimes()
                 self._nursery = None

@@ -209,3 +209,30 @@ async def test_dirty_data_is_never_evicted(tmp_path):  # type: ignore
         local.mark_clean(lf, '"etag"')  # once uploaded it may go
         await local.write(other, 0, bytes(CS))
         assert lf.removed
+
+
+def test_release_free_heap_gives_back_what_big_transient_bytes_left() -> None:
+    """Chunk-sized bytes freed between live objects stay resident until the allocator is
+    told to give them back (ChunkCache.run does so whenever no download is in flight)."""
+    code = """
+import sys
+from objcache.cache.chunks import release_free_heap
+
+def anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("RssAnon:"))
+
+first = bytes(4 << 20)  # freed: glibc raises its mmap threshold above 4 MiB
+del first
+chunks = [bytearray(4 << 20) for _ in range(40)]  # 160 MiB in the heap
+del chunks[::2]  # 80 MiB freed between live chunks: nothing at the heap's top to cut
+before = anon()
+release_free_heap()
+print(before, anon())
+"""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.split()
+    before, after = int(out[0]), int(out[1])
+    assert before - after >= 60, (before, after)
