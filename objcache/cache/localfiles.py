@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import stat as stat_mod
 import time
@@ -52,15 +53,14 @@ def _unpack(blob: bytes) -> set[int]:
     return {i * 8 + b for i, byte in enumerate(blob) for b in range(8) if byte >> b & 1}
 
 
-def _digest(f: BinaryIO, start: int, length: int, buf: bytearray) -> bytes:
+def _digest(f: BinaryIO, start: int, length: int, view: memoryview) -> bytes:
     # Read into one reused buffer: 0.11 s per GiB from the page cache here, against 0.27 s
-    # with a new bytes object per read. (Not mmap, faster still: a truncate while the
-    # mapping is read would kill the daemon with SIGBUS.)
+    # with a new bytes object per read. (Not a mapping of the file, faster still: a
+    # truncate while the mapping is read would kill the daemon with SIGBUS.)
     h = xxhash.xxh3_128()
-    view = memoryview(buf)
     f.seek(start)
     while length > 0:
-        n = f.readinto(view[:min(length, len(buf))])
+        n = f.readinto(view[:min(length, len(view))])
         if not n:
             break
         h.update(view[:n])
@@ -69,10 +69,16 @@ def _digest(f: BinaryIO, start: int, length: int, buf: bytearray) -> bytes:
 
 
 def digests_of(path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-    """The digest of each byte range [start, end) of the file at `path`."""
-    buf = bytearray(FILL_PIECE)
-    with open(path, "rb", buffering=0) as f:
-        return [_digest(f, start, end - start, buf) for start, end in ranges]
+    """The digest of each byte range [start, end) of the file at `path` (in a worker
+    thread). The buffer is as big as the longest range needs, up to FILL_PIECE, and
+    anonymous memory of its own that goes back to the system when done: a bytearray of
+    FILL_PIECE for every closed file (even of 1 KiB) was carved from the worker thread's
+    malloc arena and left each arena 8 MiB larger for good (malloc_trim does not shrink
+    a thread's arena): 3-9 of them, 24-70 MB, in every daemon that wrote files."""
+    longest = max((end - start for start, end in ranges), default=0)
+    with mmap.mmap(-1, max(1, min(FILL_PIECE, longest))) as buf, memoryview(buf) as view, \
+            open(path, "rb", buffering=0) as f:
+        return [_digest(f, start, end - start, view) for start, end in ranges]
 
 
 def _copy_file(src_path: str, dst_path: str) -> None:
