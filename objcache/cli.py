@@ -390,6 +390,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
             print(f"  raft: {r['role']}, term {r['term']}, commit index {r['commit_index']}, "
                   f"apply lag {r['apply_lag']}, leader {r['leader'] or '-'}, "
                   f"{len(r['members'])} members")
+            if r.get("voting") is False:
+                print("  raft: not voting until caught up with the leader's log "
+                      "(started without a log)")
         else:
             print("  raft: starting")
         pt = cl.get("partition") or {}

@@ -6,9 +6,11 @@ then asks any member to add it (forwarded to the leader). A node with nobody to 
 a group of one. Nodes started at the same moment (a DaemonSet rollout) may each have
 formed a group of one: a lone node that still holds only its start-up entries and sees a
 larger group, or a lone node with a lower id, discards its group and joins that one, so
-the cluster converges on one group. A node that leaves cleanly is removed by the leader (a
-leader cannot remove itself; its successor does). A crashed node stays in the group and
-rejoins with its journal when restarted.
+the cluster converges on one group. A node that joins a group with an empty log (a new
+node, or one whose cache dir was wiped) neither votes nor stands for election until it
+has caught up with the leader (objcache/raft/follower_fix.py). A node that leaves cleanly
+is removed by the leader (a leader cannot remove itself; its successor does). A crashed
+node stays in the group and rejoins with its journal when restarted.
 
 What the state machine is, and what applying a command means to this node's caches, is
 the caller's (objcache.txn): commands applied on pysyncobj's thread are handed to the trio
@@ -121,15 +123,16 @@ class RaftGroup(Generic[T]):
         except trio.RunFinishedError:
             pass
 
-    def _start_raft(self, partners: list[str]) -> None:
+    def _start_raft(self, partners: list[str], joining: bool = False) -> None:
         """Start our Raft member. The partners it starts with are saved: pysyncobj's
         journal records membership changes relative to them, so a restart with the same
-        cache dir must start from the same list."""
+        cache dir must start from the same list. `joining`: our log is empty and the
+        group's is not; we do not vote until caught up."""
         saved = self.dir / "partners.json"
         self.dir.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(partners))
         self.raft = RaftNode(self.addr, partners, self.dir, self.secret, self.new_state(),
-                             self._applied)
+                             self._applied, joining=joining)
         log.info("raft member %s started with partners %s", self.addr, partners or "none")
 
     def _best_group(self) -> Member | None:
@@ -159,7 +162,11 @@ class RaftGroup(Generic[T]):
             found = None if got is None else got[0].get("members")
             if isinstance(found, list):
                 members = [str(a) for a in found if a != self.addr]
-        self._start_raft(members)
+                if self.addr in found:
+                    log.warning("raft: the group still counts our address %s as a voter but "
+                                "our Raft log is gone (a wiped cache dir); rejoining without "
+                                "a vote until caught up with the leader", self.addr)
+        self._start_raft(members, joining=bool(members))
         if best is not None and members:
             await self._ask_to_add(best)
 
