@@ -31,6 +31,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--seed", type=int, default=None, help="first seed (default: time)")
     ap.add_argument("--verbose", action="store_true", help="print every fault and EIO")
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep every run's daemon logs, not only a failed run's")
     args = ap.parse_args()
     why = netns.why_not()
     if why:
@@ -60,7 +62,7 @@ def main() -> int:
             finally:
                 stop_all(mounts)
                 net.close()
-                if res is not None and not res.errors:
+                if res is not None and not res.errors and not args.keep_logs:
                     shutil.rmtree(root, ignore_errors=True)
                 else:
                     print(f"  logs kept in {root}", flush=True)
@@ -80,7 +82,7 @@ def main() -> int:
                 return 1
         print(f"{args.runs} runs in a row passed ({args.nodes} nodes, seeds {seed0}.."
               f"{seed0 + args.runs - 1})")
-        failed = False
+        failed = args.keep_logs  # keeps `work`
         return 0
     finally:
         weed.stop()
