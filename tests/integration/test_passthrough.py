@@ -392,18 +392,27 @@ def test_a_closed_file_is_sealed_without_a_copy(cluster, mode):  # type: ignore
     b = cluster.add(*MODES[mode], "--writeback-delay", "120")
     cluster.wait_raft([a, b], 2)
     one = os.urandom(3 * MiB)
-    (a.mnt / "ck.bin").write_bytes(one)
-    blobs = [p for p in (a.cache / "dirty").iterdir() if "." not in p.name]
-    assert len(blobs) == 1
-    assert blobs[0].stat().st_nlink == 2  # the working copy's file: no copy was made
-    before = served(a)
-    fd = os.open(a.mnt / "ck.bin", os.O_RDWR)
+    with open(a.mnt / "ck.bin", "wb") as w:
+        w.write(one)
+        # A reader keeps the working copy while we look: the RELEASE that follows the
+        # writer's close(2) comes when the kernel sends it, and without a handle left the
+        # daemon-served copy is dropped then (the blob keeps the bytes; nlink 1), which
+        # raced the check below (seen once in a full run).
+        reader = os.open(a.mnt / "ck.bin", os.O_RDONLY)
     try:
-        assert os.pwrite(fd, b"again", 0) == 5
-        assert blobs[0].stat().st_nlink == 1 and blobs[0].read_bytes() == one
-        assert (b.mnt / "ck.bin").read_bytes() == one  # not closed yet
+        blobs = [p for p in (a.cache / "dirty").iterdir() if "." not in p.name]
+        assert len(blobs) == 1
+        assert blobs[0].stat().st_nlink == 2  # the working copy's file: no copy was made
+        before = served(a)
+        fd = os.open(a.mnt / "ck.bin", os.O_RDWR)
+        try:
+            assert os.pwrite(fd, b"again", 0) == 5
+            assert blobs[0].stat().st_nlink == 1 and blobs[0].read_bytes() == one
+            assert (b.mnt / "ck.bin").read_bytes() == one  # not closed yet
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        os.close(reader)
     if mode == "passthrough":
         assert served(a) == before  # (written by the kernel)
     assert (b.mnt / "ck.bin").read_bytes() == b"again" + one[5:]
