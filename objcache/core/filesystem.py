@@ -1313,37 +1313,23 @@ class Filesystem:
                 raise NotFound(inode.key)
             lf = self.local.by_key.get(inode.key)
         if writable and flags & os.O_TRUNC:
+            # O_TRUNC changes the file (and its mtime) even when it is empty already.
             lf = lf or await self._working_copy(inode, empty=True)
-        if lf is None:
-            source = self._source(inode)
-            if self._landing(inode, lf, source):
-                ref = source.ref  # type: ignore[attr-defined]
-                await self.router.landed(ref.key, ref.etag, ref.size, LANDING_PATIENCE)
-            return self._opened(inode, writable, source, lf)
-        # Open from here on: while we wait below (the copy that unshares a sealed blob), a
-        # working copy nobody had open could be dropped (another node's commit of the
-        # key, the end of a mapping's watch, an eviction) and its data file deleted: the
-        # open answered EIO (FileNotFoundError; the partition nemesis, on a healthy
-        # cluster). An open one is set aside instead, and this handle keeps it.
-        self.local.opened(lf, writable)
-        try:
-            if writable and flags & os.O_TRUNC:
-                # O_TRUNC changes the file (and its mtime) even when it is empty already.
-                await self.local.truncate(lf, 0)
-            if writable:
-                # A sealed blob sharing the working copy's file gets its own before a
-                # writer may write the file (without us, through passthrough).
-                await self.local.unshare(lf)
-        except BaseException:
-            self.local.closed(lf, writable)
-            raise
-        return self._opened(inode, writable, self._source(inode), lf, counted=True)
+            await self.local.truncate(lf, 0)
+        if writable and lf is not None:
+            # A sealed blob sharing the working copy's file gets its own before a writer
+            # may write the file (without us, through passthrough).
+            await self.local.unshare(lf)
+        source = self._source(inode)
+        if self._landing(inode, lf, source):
+            ref = source.ref  # type: ignore[attr-defined]
+            await self.router.landed(ref.key, ref.etag, ref.size, LANDING_PATIENCE)
+        return self._opened(inode, writable, source, lf)
 
     def _opened(self, inode: Inode, writable: bool, source: Source,
-                lf: LocalFile | None, counted: bool = False) -> tuple[int, bool, int]:
-        """`counted`: `lf` is already counted as open (by `open`)."""
+                lf: LocalFile | None) -> tuple[int, bool, int]:
         fh = FileHandle(inode, writable, source, lf)
-        if lf is not None and not counted:
+        if lf is not None:
             self.local.opened(lf, writable)
         backing_id = self._pass_through(fh)
         keep = inode.kernel_gen == inode.content_gen
