@@ -1312,26 +1312,65 @@ class Filesystem:
             if fresh.ino != inode.ino:
                 raise NotFound(inode.key)
             lf = self.local.by_key.get(inode.key)
-        if writable and flags & os.O_TRUNC:
-            # O_TRUNC changes the file (and its mtime) even when it is empty already.
-            lf = lf or await self._working_copy(inode, empty=True)
-            await self.local.truncate(lf, 0)
-        if writable and lf is not None:
+        if writable and flags & os.O_TRUNC and lf is None:
+            # The file the kernel serves the inode's open handles from (a cached object
+            # version) is the one a writer writes: it becomes the working copy before
+            # the truncate, or the truncate and the writes would go to two files.
+            lf = self._backing_copy(inode) or await self._working_copy(inode, empty=True)
+        if not writable or lf is None:
+            source = self._source(inode)
+            if self._landing(inode, lf, source):
+                ref = source.ref  # type: ignore[attr-defined]
+                await self.router.landed(ref.key, ref.etag, ref.size, LANDING_PATIENCE)
+            return self._opened(inode, writable, source, lf)
+        # Open (and a writer) from here on, before it waits below (the copy that unshares
+        # a sealed blob):
+        # - a working copy nobody had open could be dropped meanwhile (the RELEASE of the
+        #   previous handle, another node's commit of the key, an eviction) and its data
+        #   file deleted: the open answered EIO (FileNotFoundError; the partition
+        #   nemesis, on a healthy cluster). An open one is set aside instead, and this
+        #   handle keeps it;
+        # - the RELEASE of the previous handle leaves what this open truncates to this
+        #   handle's close (`release`).
+        self.local.opened(lf, True)
+        try:
+            if flags & os.O_TRUNC:
+                # O_TRUNC changes the file (and its mtime) even when it is empty already.
+                await self.local.truncate(lf, 0)
             # A sealed blob sharing the working copy's file gets its own before a writer
             # may write the file (without us, through passthrough).
             await self.local.unshare(lf)
-        source = self._source(inode)
-        if self._landing(inode, lf, source):
-            ref = source.ref  # type: ignore[attr-defined]
-            await self.router.landed(ref.key, ref.etag, ref.size, LANDING_PATIENCE)
-        return self._opened(inode, writable, source, lf)
+        except BaseException:
+            self._uncount(lf, True)
+            raise
+        return self._opened(inode, True, self._source(inode), lf, counted=True)
+
+    def _backing_copy(self, inode: Inode) -> LocalFile | None:
+        """The working copy that the inode's backing file becomes (a cached object
+        version that open handles have passed through), or None: it has none."""
+        b = inode.backed
+        if b is not None and b.lf is None and b.obj is not None:
+            self._hand_over(inode, b)
+        return b.lf if b is not None else None
+
+    def _uncount(self, lf: LocalFile, writable: bool) -> None:
+        """An open that counted `lf` failed: as if its handle were released."""
+        self.local.closed(lf, writable)
+        if lf.opens == 0:
+            self.backend.released(lf)
 
     def _opened(self, inode: Inode, writable: bool, source: Source,
-                lf: LocalFile | None) -> tuple[int, bool, int]:
+                lf: LocalFile | None, counted: bool = False) -> tuple[int, bool, int]:
+        """`counted`: `lf` is counted as open already (by `open`)."""
         fh = FileHandle(inode, writable, source, lf)
-        if lf is not None:
+        if lf is not None and not counted:
             self.local.opened(lf, writable)
-        backing_id = self._pass_through(fh)
+        try:
+            backing_id = self._pass_through(fh)
+        except BaseException:
+            if lf is not None:
+                self._uncount(lf, writable)
+            raise
         keep = inode.kernel_gen == inode.content_gen
         if not keep:
             self.notify.attrs_now(inode.ino)  # the kernel's size may be an old version's
@@ -1361,9 +1400,10 @@ class Filesystem:
         if h.writable:
             if b.lf is None:
                 self._hand_over(inode, b)
-            if b.lf is None:
-                # (its version left the cache while read: a writer of this inode has no
-                # file to share with the readers; reopening gets the current version)
+            if b.lf is None or (h.lf is not None and h.lf is not b.lf):
+                # (its version left the cache while read, or the handles open here have
+                # another version's file: a writer of this inode has no file to share
+                # with the readers; reopening gets the current version)
                 raise StaleObject(f"{inode.key}: changed while open; open it again")
             if h.lf is None:
                 h.lf = b.lf  # its writes go there, by the kernel
@@ -1574,8 +1614,12 @@ class Filesystem:
         lf = h.lf
         if h.backed and h.writable:
             self.local.bypass_closed(lf)
-        if h.writable and lf.dirty and not lf.removed:
-            # Written after the last flush (a dup'ed descriptor, mmap write-back).
+        if h.writable and lf.dirty and not lf.removed and self._last_writer(h):
+            # Written after the last flush (a dup'ed descriptor, mmap write-back). Not
+            # while another handle may write it: what that one did is its close's to
+            # commit, or to withdraw should it fail (the RELEASE that follows a close(2)
+            # came after the next open(O_TRUNC) and committed its truncation: an empty
+            # file, for good when that writer's close then failed; the partition nemesis).
             try:
                 await self._close(h.inode, lf, final=self._last_writer(h))
             except ObjcacheError as ex:

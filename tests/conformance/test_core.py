@@ -422,3 +422,57 @@ async def test_a_directory_stays_the_same_directory_when_its_marker_is_written_b
     await trio.sleep(0.05)  # the change reaches B's core
     assert await env.b.ino("d") == ino
     assert await env.b.fs.readdir(ino) == []
+
+
+async def test_the_last_release_while_the_next_o_trunc_open_copies_the_blob(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer loop (open O_TRUNC, write, close) on a cluster node: the kernel's RELEASE
+    of the previous handle may arrive while the next open(O_TRUNC) copies the sealed blob
+    out of the working copy. That release dropped the working copy, nobody having it
+    open yet, and deleted its data file: the open answered EIO (FileNotFoundError; the
+    partition nemesis, on healthy nodes)."""
+    from objcache.cache import localfiles
+    from tests.helpers.inproc import FaultyStore, cluster
+
+    async with cluster(FaultyStore(MemoryStore()), tmp_path, 2) as (p0, p1):
+        a, b = Posix(p0.fs), Posix(p1.fs)
+        fh1 = await b.create("f")
+        await b.fs.write(fh1, 0, b"first")
+        await b.fs.flush(fh1)  # close(2) returned: sealed, committed; no RELEASE yet
+        copy, copies = localfiles._copy_file, []
+
+        def release_then_copy(src: str, dst: str) -> None:
+            copies.append(src)
+            trio.from_thread.run(b.fs.release, fh1)
+            copy(src, dst)
+
+        monkeypatch.setattr(localfiles, "_copy_file", release_then_copy)
+        fh2 = await b.open("f", os.O_WRONLY | os.O_TRUNC)
+        assert copies, "the open did not copy the sealed blob: the race was not run"
+        await b.fs.write(fh2, 0, b"second")
+        await b.close(fh2)
+        assert await a.read("f") == b"second"
+        assert await b.read("f") == b"second"
+
+
+async def test_the_release_after_the_next_o_trunc_open_does_not_commit_its_truncation(
+        tmp_path: Path) -> None:
+    """The kernel sends the RELEASE of a closed handle after close(2) returned, and the
+    next open(O_TRUNC) of the file may come first. That RELEASE found the working copy
+    dirty (truncated by the open) and committed it: every node read an empty file
+    before the writer wrote or closed, and for good when its close then failed (the
+    partition nemesis, 5 nodes: an acknowledged register ended empty everywhere)."""
+    from tests.helpers.inproc import FaultyStore, cluster
+
+    async with cluster(FaultyStore(MemoryStore()), tmp_path, 2) as (p0, p1):
+        a, b = Posix(p0.fs), Posix(p1.fs)
+        fh1 = await b.create("f")
+        await b.fs.write(fh1, 0, b"first")
+        await b.fs.flush(fh1)  # close(2) returned; its RELEASE is still on its way
+        fh2 = await b.open("f", os.O_WRONLY | os.O_TRUNC)
+        await b.fs.release(fh1)
+        assert await a.read("f") == b"first", "the RELEASE committed the next truncation"
+        await b.fs.write(fh2, 0, b"second")
+        await b.close(fh2)
+        assert await a.read("f") == b"second"
+        assert await b.read("f") == b"second"

@@ -303,6 +303,22 @@ def test_a_writer_of_a_cached_object(s3, bucket, mount, mode):  # type: ignore
     assert flush_and_get(s3, bucket, m, "h.bin") == bytes(data)
 
 
+def test_an_o_trunc_writer_of_a_cached_object(s3, bucket, mount, mode):  # type: ignore
+    """open(O_TRUNC) while a reader has the file open (passed through from its cached
+    object version): the truncate went to a new empty working copy, the kernel's writes
+    to the cached version's file, and the close committed the empty one."""
+    s3.put_object(Bucket=bucket, Key="t.bin", Body=os.urandom(3 * MiB))
+    m = mount(*MODES[mode])
+    (m.mnt / "t.bin").read_bytes()  # cold: the daemon fetches it all
+    objcache("prefetch", str(m.mnt / "t.bin"))  # (returns once it is on the cache disk)
+    with open(m.mnt / "t.bin", "rb") as r:
+        with open(m.mnt / "t.bin", "wb") as w:  # a reader has it open
+            w.write(b"new")
+        assert r.read() == b"new"  # one file on this node: the reader sees it
+    assert (m.mnt / "t.bin").read_bytes() == b"new"
+    assert flush_and_get(s3, bucket, m, "t.bin") == b"new"
+
+
 def test_verify_drops_a_corrupt_chunk(s3, bucket, mount, mode):  # type: ignore
     data = os.urandom(2 * MiB)
     s3.put_object(Bucket=bucket, Key="c.bin", Body=data)
