@@ -14,7 +14,7 @@ node stays in the group and rejoins with its journal when restarted.
 
 What the state machine is, and what applying a command means to this node's caches, is
 the caller's (objcache.txn): commands applied on pysyncobj's thread are handed to the trio
-thread through the `applied` channel, in log order.
+thread through the `applied` feed, in log order.
 """
 
 from __future__ import annotations
@@ -47,6 +47,34 @@ CATCH_UP_WAIT = 60.0  # mount after this long even if the log is not caught up y
 T = TypeVar("T")
 
 
+class AppliedFeed(Generic[T]):
+    """What the Raft member applied, for the trio thread, in log order: `put` (run by
+    pysyncobj's thread through `run_sync_soon`, whose callbacks run in order) appends,
+    `take` returns everything so far, and `wait` returns once there is something without
+    taking it. (A trio memory channel hands an item to a receiver that waits for it
+    directly: until that task runs, the item is in no buffer, and a `take` by another
+    task (a read barrier that returned at the same moment) applied the changes after it
+    first. A node catching up with the log after a cut applied an unlink before the
+    rename that made the name, and listed the unlinked name for good: the partition
+    nemesis, seed 2116.)"""
+
+    def __init__(self) -> None:
+        self._items: list[T] = []
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def put(self, item: T) -> None:
+        self._items.append(item)
+        self._lot.unpark_all()
+
+    def take(self) -> list[T]:
+        items, self._items = self._items, []
+        return items
+
+    async def wait(self) -> None:
+        while not self._items:
+            await self._lot.park()
+
+
 class RaftGroup(Generic[T]):
     """Attributes:
     ready: a first barrier passed: our member has applied the cluster's log (what we show
@@ -71,7 +99,7 @@ class RaftGroup(Generic[T]):
         self.raft: RaftNode | None = None
         self._closed = False
         self.ready = False
-        self._applied_send, self.applied = trio.open_memory_channel[T](math.inf)
+        self.applied = AppliedFeed[T]()
         self._token: trio.lowlevel.TrioToken | None = None
 
     def routes(self) -> dict[str, Handler]:
@@ -119,7 +147,7 @@ class RaftGroup(Generic[T]):
         if item is None or token is None:
             return
         try:
-            token.run_sync_soon(self._applied_send.send_nowait, item)
+            token.run_sync_soon(self.applied.put, item)
         except trio.RunFinishedError:
             pass
 
