@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.helpers import netns, partition
 from tests.helpers.cluster import Cluster
-from tests.helpers.mount import Mount, stop_all
+from tests.helpers.mount import Mount, stop_all, stop_on_signals
 from tests.helpers.seaweed import SeaweedFS
 
 
@@ -34,6 +34,7 @@ def main() -> int:
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep every run's daemon logs, not only a failed run's")
     args = ap.parse_args()
+    stop_on_signals()
     why = netns.why_not()
     if why:
         print(f"partitions: cannot make test hosts: {why}", file=sys.stderr)
