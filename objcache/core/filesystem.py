@@ -1312,11 +1312,10 @@ class Filesystem:
             if fresh.ino != inode.ino:
                 raise NotFound(inode.key)
             lf = self.local.by_key.get(inode.key)
+        if writable:
+            lf = self._writer_copy(inode, lf)
         if writable and flags & os.O_TRUNC and lf is None:
-            # The file the kernel serves the inode's open handles from (a cached object
-            # version) is the one a writer writes: it becomes the working copy before
-            # the truncate, or the truncate and the writes would go to two files.
-            lf = self._backing_copy(inode) or await self._working_copy(inode, empty=True)
+            lf = await self._working_copy(inode, empty=True)
         if not writable or lf is None:
             source = self._source(inode)
             if self._landing(inode, lf, source):
@@ -1332,6 +1331,7 @@ class Filesystem:
         #   handle keeps it;
         # - the RELEASE of the previous handle leaves what this open truncates to this
         #   handle's close (`release`).
+        was_dirty = lf.dirty
         self.local.opened(lf, True)
         try:
             if flags & os.O_TRUNC:
@@ -1340,18 +1340,31 @@ class Filesystem:
             # A sealed blob sharing the working copy's file gets its own before a writer
             # may write the file (without us, through passthrough).
             await self.local.unshare(lf)
+            return self._opened(inode, True, self._source(inode), lf, counted=True)
         except BaseException:
             self._uncount(lf, True)
+            if not was_dirty and lf.dirty and lf.opens == 0 and not lf.removed:
+                # The open failed after its truncate: nobody will close (and commit) it.
+                # Left here, the truncated copy was what this node showed: a read of it
+                # returned an empty file nobody wrote (the partition nemesis, 5 nodes).
+                # What was committed before stays the file's content.
+                self.local.remove(lf)
             raise
-        return self._opened(inode, True, self._source(inode), lf, counted=True)
 
-    def _backing_copy(self, inode: Inode) -> LocalFile | None:
-        """The working copy that the inode's backing file becomes (a cached object
-        version that open handles have passed through), or None: it has none."""
+    def _writer_copy(self, inode: Inode, lf: LocalFile | None) -> LocalFile | None:
+        """The working copy a writer opening `inode` writes: while the inode's open
+        handles are passed through, the kernel's backing file of it (one per inode; a
+        cached object version becomes the working copy, `_hand_over`), else `lf`.
+        StaleObject, before anything is changed, when the backing file cannot be one."""
         b = inode.backed
-        if b is not None and b.lf is None and b.obj is not None:
+        if b is None:
+            return lf
+        if b.lf is None and b.obj is not None:
             self._hand_over(inode, b)
-        return b.lf if b is not None else None
+        if b.lf is None:
+            # (its version left the cache while read: reopening gets the current one)
+            raise StaleObject(f"{inode.key}: changed while open; open it again")
+        return b.lf
 
     def _uncount(self, lf: LocalFile, writable: bool) -> None:
         """An open that counted `lf` failed: as if its handle were released."""
@@ -1368,7 +1381,7 @@ class Filesystem:
         try:
             backing_id = self._pass_through(fh)
         except BaseException:
-            if lf is not None:
+            if lf is not None and not counted:
                 self._uncount(lf, writable)
             raise
         keep = inode.kernel_gen == inode.content_gen

@@ -529,3 +529,30 @@ async def test_changes_another_node_applied_in_one_batch_are_shown_in_log_order(
         await trio.sleep(0.1)  # the core's own task takes what it was handed
         assert await b.listdir("d") == []
         assert not await b.exists("d/f.r")
+
+
+async def test_an_o_trunc_open_that_fails_after_its_truncate_leaves_the_file_as_it_was(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An open(O_TRUNC) can fail after it truncated the working copy (the kernel's
+    backing file of the inode changed meanwhile: ESTALE). Nobody was going to close that
+    copy, and it stayed what the node showed: the next read there returned an empty file
+    that nobody wrote (the partition nemesis, 5 nodes)."""
+    from objcache.core.filesystem import Filesystem
+    from objcache.core.handles import FileHandle
+    from objcache.errors import StaleObject
+    from tests.helpers.inproc import FaultyStore, cluster
+
+    async with cluster(FaultyStore(MemoryStore()), tmp_path, 2) as (p0, p1):
+        a, b = Posix(p0.fs), Posix(p1.fs)
+        await b.write("f", b"first")
+        pass_through = Filesystem._pass_through
+
+        def stale(self: Filesystem, h: FileHandle) -> int:
+            raise StaleObject("the backing file changed")
+
+        monkeypatch.setattr(Filesystem, "_pass_through", stale)
+        with pytest.raises(StaleObject):
+            await b.open("f", os.O_WRONLY | os.O_TRUNC)
+        monkeypatch.setattr(Filesystem, "_pass_through", pass_through)
+        assert await b.read("f") == b"first"
+        assert await a.read("f") == b"first"
