@@ -128,6 +128,11 @@ class Membership:
         m = self.members.get(node)
         return m.addr if m is not None else None
 
+    def joining(self, node: str) -> bool:
+        """Heard of (gossip, `hear_of`), not reached yet."""
+        m = self.members.get(node)
+        return m is not None and m.state == JOINING
+
     def suspect(self, node: str) -> None:
         """Route around `node` until it answers a heartbeat again, and give up on the
         requests still waiting for it."""
@@ -192,6 +197,17 @@ class Membership:
             if m is None or new.incarnation > m.incarnation:
                 new.state, new.last_ok = JOINING, time.monotonic()
                 self.members[new.id] = new
+
+    def hear_of(self, node: str, addr: str, capacity: int) -> bool:
+        """A member known from elsewhere (the Raft log's member records) that we have not
+        heard of: reachable by its address at once, pinged from now on, and on the ring
+        once it answers. A restarted node with no seed up hears of the others only when
+        they retry their seeds, SEED_RETRY_SECONDS later. False if we know it already."""
+        if node == self.me.id or node in self.members:
+            return False
+        self.members[node] = Member(node, addr, capacity, 0, state=JOINING,
+                                    last_ok=time.monotonic())
+        return True
 
     def _failed(self, m: Member) -> None:
         silent = time.monotonic() - m.last_ok
