@@ -326,7 +326,10 @@ class TxnClient:
         if length <= 0:
             return b""
         if self.dirty.has(cid):
-            return await self.dirty.read(cid, offset, length)
+            data = await self.dirty.read(cid, offset, length)
+            if len(data) != length:
+                raise NotFound(f"blob {cid} has {offset + len(data)} bytes here")
+            return data
         got = await self._from_a_holder(cid, holders, {"off": offset, "len": length},
                                         length)
         return bytes(got)
@@ -367,7 +370,12 @@ class TxnClient:
                     gone.add(node)
                     continue
                 if got is not None and got[1] is not None:
-                    return got[1]
+                    if len(got[1]) == length:
+                        return got[1]
+                    # (the caller asks for bytes the blob has: a short answer would reach
+                    # the application as an early end of file)
+                    log.warning("holder %s sent %d bytes of blob %s, not %d: asking another",
+                                node, len(got[1]), cid, length)
             if gone and gone >= set(holders) - {self.node_id}:
                 # Every holder dropped it: a newer version replaced this one, and our view
                 # is older (a node cut off from the majority serves what it applied).

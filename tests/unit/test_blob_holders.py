@@ -126,3 +126,26 @@ async def test_a_blob_every_holder_dropped_is_estale_not_enoent() -> None:
     with pytest.raises(StaleObject):
         await txn.read_blob("c1", ["a", "b"], 0, 4)
     assert time.monotonic() - t0 < 1.0
+
+
+class ShortClient(Client):
+    """Holder `b` answers with fewer bytes than asked (it read a blob file that a detach
+    replaced and the writer then truncated)."""
+
+    async def call(self, node: str, msg: dict[str, Any], max_data: int, timeout: float,
+                   into: memoryview | None = None) -> tuple[dict[str, Any], bytes] | None:
+        if node == "b":
+            self.asked.append(node)
+            return {"data": 0}, b""
+        return await super().call(node, msg, max_data, timeout, into)
+
+
+async def test_a_holder_that_sends_too_few_bytes_is_not_believed() -> None:
+    """A short answer reached the application as an early end of file: a register read
+    on another node returned empty (the partition nemesis, 5 nodes, seed 2127)."""
+    node = Node(timeout=3.0)
+    node.client = ShortClient(node.membership)
+    node.membership.addrs.update(b="127.0.0.1:1", c="127.0.0.1:2")
+    txn = TxnClient(node, NoBlobs(), 2, 10.0)  # type: ignore[arg-type]
+    assert await txn.read_blob("c1", ["b", "c"], 7, 4) == b"\x07" * 4
+    assert node.client.asked == ["b", "c"]
