@@ -151,16 +151,18 @@ class RaftGroup(Generic[T]):
         except trio.RunFinishedError:
             pass
 
-    def _start_raft(self, partners: list[str], joining: bool = False) -> None:
+    def _start_raft(self, partners: list[str], joining: bool = False,
+                    wiped: bool = False) -> None:
         """Start our Raft member. The partners it starts with are saved: pysyncobj's
         journal records membership changes relative to them, so a restart with the same
         cache dir must start from the same list. `joining`: our log is empty and the
-        group's is not; we do not vote until caught up."""
+        group's is not; we do not vote until caught up. `wiped`: the group counts our
+        address as a voter already; we do not count toward a commit until caught up."""
         saved = self.dir / "partners.json"
         self.dir.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(partners))
         self.raft = RaftNode(self.addr, partners, self.dir, self.secret, self.new_state(),
-                             self._applied, joining=joining)
+                             self._applied, joining=joining, wiped=wiped)
         log.info("raft member %s started with partners %s", self.addr, partners or "none")
 
     def _best_group(self) -> Member | None:
@@ -184,17 +186,19 @@ class RaftGroup(Generic[T]):
 
     async def _join_group_of(self, best: Member | None) -> None:
         members: list[str] = []
+        wiped = False
         if best is not None:
             got = await self.client.call(best.id, {"op": "raft_members"}, max_data=0,
                                          timeout=10.0)
             found = None if got is None else got[0].get("members")
             if isinstance(found, list):
                 members = [str(a) for a in found if a != self.addr]
-                if self.addr in found:
+                wiped = self.addr in found
+                if wiped:
                     log.warning("raft: the group still counts our address %s as a voter but "
                                 "our Raft log is gone (a wiped cache dir); rejoining without "
                                 "a vote until caught up with the leader", self.addr)
-        self._start_raft(members, joining=bool(members))
+        self._start_raft(members, joining=bool(members), wiped=wiped and bool(members))
         if best is not None and members:
             await self._ask_to_add(best)
 

@@ -92,10 +92,11 @@ def _ignore(machine: Any, cmd: dict[str, Any]) -> None:
 class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
     def __init__(self, self_addr: str, partners: list[str], conf: SyncObjConf,
                  state: StateMachine, on_applied: Applied = _ignore,
-                 joining: bool = False) -> None:
+                 joining: bool = False, wiped: bool = False) -> None:
         self.state = state
         self.on_applied = on_applied  # set before __init__: never dumped
         self.joining = joining  # see FollowerFix: no vote until caught up
+        self.wiped = wiped  # see FollowerFix: nor an acknowledgement
         super().__init__(self_addr, partners, conf=conf, transportClass=GuardedTransport)
         # pysyncobj dumps (log compaction, a snapshot sent to a new follower) only hold
         # attributes set after its __init__: the state must be one of them.
@@ -120,14 +121,16 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
 class RaftNode:
     def __init__(self, self_addr: str, partners: list[str], data_dir: Path,
                  secret: str, state: StateMachine, on_applied: Applied = _ignore,
-                 joining: bool = False) -> None:
+                 joining: bool = False, wiped: bool = False) -> None:
         """`joining`: we start with no log into a group that has one; we neither vote
-        nor stand for election until caught up (objcache/raft/follower_fix.py)."""
+        nor stand for election until caught up (objcache/raft/follower_fix.py). `wiped`:
+        the group counts our address as a voter already (our cache dir was lost); until
+        caught up we do not count toward a commit either."""
         data_dir.mkdir(parents=True, exist_ok=True)
         self.addr = self_addr
         self._replica = _Replica(self_addr, [p for p in partners if p != self_addr],
                                  make_conf(data_dir, secret, self_addr), state, on_applied,
-                                 joining)
+                                 joining, wiped)
 
     @property
     def state(self) -> Any:

@@ -19,11 +19,11 @@ CMD = b"\x00cmd"  # a regular command (type byte 0); never applied here
 
 
 class Follower:
-    def __init__(self, tmp: Path, joining: bool = False) -> None:
+    def __init__(self, tmp: Path, joining: bool = False, wiped: bool = False) -> None:
         conf = make_conf(tmp, "secret")
         conf.autoTick, conf.journalFile, conf.fullDumpFile = False, None, None
         self.replica = _Replica(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"],
-                                conf, ClusterState(), joining=joining)
+                                conf, ClusterState(), joining=joining, wiped=wiped)
         self.leader = next(iter(self.replica._SyncObj__otherNodes))
         self.sent: list[dict[str, Any]] = []
         self.replica._SyncObj__transport.send = lambda node, msg: self.sent.append(msg)
@@ -146,3 +146,43 @@ def test_member_without_a_log_votes_only_once_caught_up(tmp_path: Path) -> None:
 
 def test_member_with_its_log_votes_as_before(follower: Follower) -> None:
     assert follower.vote(5, (3, 2)) == [{"type": "response_vote", "term": 5}]
+
+
+def test_member_without_a_log_does_not_count_for_a_leader_of_an_older_term(
+        tmp_path: Path) -> None:
+    # test_voter_back_without_its_log_cannot_elect_a_stale_node failed once: a was the
+    # term-1 leader and froze, b and c committed 14..33 in term 2, b froze, c came back
+    # wiped, and a, thawed before its leaderFallbackTimeout, still led term 1. c took a's
+    # term-1 commit index (13) for "caught up", acknowledged 14..16, a committed them with
+    # c, and b's log later replaced them after both had applied them (k0 lost).
+    f = Follower(tmp_path, joining=True, wiped=True)
+    try:
+        r = f.replica
+        reply = f.append(1, (1, 0), [(i, 1) for i in range(2, 14)], commit=13)
+        assert f.commit == 13 and r.joining  # committed before we heard from it
+        assert reply == {"type": "next_node_idx", "next_node_idx": 14, "reset": True,
+                         "success": False, "joining": True}
+        reply = f.append(1, (13, 1), [(14, 1), (15, 1)], commit=13)
+        assert not reply["success"] and reply["next_node_idx"] == 16 and r.joining
+        assert f.vote(2, (13, 1)) == []
+        # the current leader (term 3) commits an entry of its own term after we heard
+        # from it: a majority of the others acknowledged it, so its log is the group's
+        f.append(3, (13, 1), [(14, 2), (15, 3)], commit=13)
+        assert r.joining
+        f.append(3, (15, 3), [(16, 3)], commit=16)
+        assert not r.joining and f.log()[-3:] == [(14, 2), (15, 3), (16, 3)]
+        reply = f.append(3, (16, 3), [(17, 3)], commit=16)
+        assert reply == {"type": "next_node_idx", "next_node_idx": 18, "reset": False,
+                         "success": True}
+    finally:
+        f.replica.destroy()
+
+
+def test_leader_forgets_what_a_wiped_members_previous_incarnation_acknowledged(
+        follower: Follower) -> None:
+    r = follower.replica
+    r._SyncObj__raftMatchIndex[follower.leader] = 15  # acknowledged before the wipe
+    r._SyncObj__onMessageReceived(follower.leader, {
+        "type": "next_node_idx", "next_node_idx": 1, "reset": True, "success": False,
+        "joining": True})
+    assert r._SyncObj__raftMatchIndex[follower.leader] == 0
