@@ -1411,12 +1411,10 @@ class Filesystem:
                 b.obj = self.router.cache.hold(*found[2])
             inode.backed = b
         if h.writable:
-            if b.lf is None:
-                self._hand_over(inode, b)
-            if b.lf is None or (h.lf is not None and h.lf is not b.lf):
-                # (its version left the cache while read, or the handles open here have
-                # another version's file: a writer of this inode has no file to share
-                # with the readers; reopening gets the current version)
+            lf = self._writer_copy(inode, h.lf)
+            if h.lf is not None and h.lf is not lf:
+                # (the handles open here have another version's file, taken while `open`
+                # waited: reopening gets the current version)
                 raise StaleObject(f"{inode.key}: changed while open; open it again")
             if h.lf is None:
                 h.lf = b.lf  # its writes go there, by the kernel
