@@ -10,6 +10,8 @@ run, naming its seed (PARTITION_SEED=... reruns it in the short test, --seed her
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import shutil
 import sys
 import tempfile
@@ -22,6 +24,16 @@ from tests.helpers import netns, partition
 from tests.helpers.cluster import Cluster
 from tests.helpers.mount import Mount, stop_all, stop_on_signals
 from tests.helpers.seaweed import SeaweedFS
+
+
+def _save_history(path: Path, res: partition.Result) -> None:
+    """A kept run's faults and operations, one JSON object a line (times are wall-clock
+    seconds), so a failed run's verdict can be checked against what happened."""
+    with path.open("w") as f:
+        for e in res.events:
+            f.write(json.dumps({"fault": dataclasses.asdict(e)}) + "\n")
+        for op in sorted(res.ops, key=lambda o: o.t0):
+            f.write(json.dumps({"op": dataclasses.asdict(op)}) + "\n")
 
 
 def main() -> int:
@@ -66,6 +78,8 @@ def main() -> int:
                 if res is not None and not res.errors and not args.keep_logs:
                     shutil.rmtree(root, ignore_errors=True)
                 else:
+                    if res is not None:
+                        _save_history(root / "history.jsonl", res)
                     print(f"  logs kept in {root}", flush=True)
             ok = not res.errors
             print(f"run {run + 1}/{args.runs} nodes {args.nodes} seed {seed}: "
