@@ -395,6 +395,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
             print(f"  raft: {r['role']}{source}, term {r['term']}, commit index "
                   f"{r['commit_index']}, apply lag {r['apply_lag']}, leader "
                   f"{r['leader'] or '-'}, {len(r['members'])} voters")
+            if r.get("voting") is False:
+                print("  raft: not voting until caught up with the leader's log "
+                      "(started without a log)")
         else:
             print("  raft: starting")
         pt = cl.get("partition") or {}

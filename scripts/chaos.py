@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.helpers import chaos
 from tests.helpers.cluster import Cluster
-from tests.helpers.mount import Mount, stop_all
+from tests.helpers.mount import Mount, stop_all, stop_on_signals
 from tests.helpers.seaweed import SeaweedFS
 
 
@@ -30,6 +30,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--seed", type=int, default=None, help="first seed (default: time)")
     args = ap.parse_args()
+    stop_on_signals()
     seed0 = args.seed if args.seed is not None else time.time_ns() % 1_000_000
     work = Path(tempfile.mkdtemp(prefix="objcache-chaos-"))
     weed = SeaweedFS(work / "s3")

@@ -10,6 +10,8 @@ run, naming its seed (PARTITION_SEED=... reruns it in the short test, --seed her
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import shutil
 import sys
 import tempfile
@@ -20,8 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.helpers import netns, partition
 from tests.helpers.cluster import Cluster
-from tests.helpers.mount import Mount, stop_all
+from tests.helpers.mount import Mount, stop_all, stop_on_signals
 from tests.helpers.seaweed import SeaweedFS
+
+
+def _save_history(path: Path, res: partition.Result) -> None:
+    """A kept run's faults and operations, one JSON object a line (times are wall-clock
+    seconds), so a failed run's verdict can be checked against what happened."""
+    with path.open("w") as f:
+        for e in res.events:
+            f.write(json.dumps({"fault": dataclasses.asdict(e)}) + "\n")
+        for op in sorted(res.ops, key=lambda o: o.t0):
+            f.write(json.dumps({"op": dataclasses.asdict(op)}) + "\n")
 
 
 def main() -> int:
@@ -31,7 +43,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--seed", type=int, default=None, help="first seed (default: time)")
     ap.add_argument("--verbose", action="store_true", help="print every fault and EIO")
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep every run's daemon logs, not only a failed run's")
     args = ap.parse_args()
+    stop_on_signals()
     why = netns.why_not()
     if why:
         print(f"partitions: cannot make test hosts: {why}", file=sys.stderr)
@@ -60,9 +75,11 @@ def main() -> int:
             finally:
                 stop_all(mounts)
                 net.close()
-                if res is not None and not res.errors:
+                if res is not None and not res.errors and not args.keep_logs:
                     shutil.rmtree(root, ignore_errors=True)
                 else:
+                    if res is not None:
+                        _save_history(root / "history.jsonl", res)
                     print(f"  logs kept in {root}", flush=True)
             ok = not res.errors
             print(f"run {run + 1}/{args.runs} nodes {args.nodes} seed {seed}: "
@@ -80,7 +97,7 @@ def main() -> int:
                 return 1
         print(f"{args.runs} runs in a row passed ({args.nodes} nodes, seeds {seed0}.."
               f"{seed0 + args.runs - 1})")
-        failed = False
+        failed = args.keep_logs  # keeps `work`
         return 0
     finally:
         weed.stop()

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -62,9 +62,21 @@ DEFAULT_DIR_MODE = 0o040755
 Applied = tuple[list[NsChange], str | None]
 
 
+class AppliedFeed(Protocol):
+    """What the Raft group applied, in log order (objcache.cluster.raftgroup.AppliedFeed)."""
+
+    def take(self) -> list[Applied]:
+        """Everything handed over since the last call."""
+        ...
+
+    async def wait(self) -> None:
+        """Return once `take` has something (taking nothing)."""
+        ...
+
+
 class ReplicatedBackend:
     def __init__(self, cfg: MountConfig, s3: ObjectStore, txn: TxnClient, dirty: DirtyStore,
-                 local: LocalFiles, applied: trio.MemoryReceiveChannel[Applied],
+                 local: LocalFiles, applied: AppliedFeed,
                  quarantine: Quarantine) -> None:
         self.raw = s3  # S3 itself, for existence checks that must see tombstoned keys
         self.store = OverlayStore(s3, txn)
@@ -77,7 +89,6 @@ class ReplicatedBackend:
         self.stager = Stager(txn, dirty, local, cfg.chunk_size)
         self._nursery: trio.Nursery | None = None
         self._applied = applied
-        self._waiting: list[Applied] = []
         self._withdrawn: set[int] = set()  # working copies whose close failed (`_withdraw`)
         self.uid, self.gid = os.getuid(), os.getgid()  # owner of objects without metadata
 
@@ -127,15 +138,9 @@ class ReplicatedBackend:
         return True
 
     def take_changes(self) -> list[Change]:
-        batches, self._waiting = self._waiting, []
-        while True:
-            try:
-                batches.append(self._applied.receive_nowait())
-            except trio.WouldBlock:
-                break
         out: list[Change] = []
         me = self.txn.node_id
-        for changes, by in batches:
+        for changes, by in self._applied.take():
             for c in changes:
                 if c.uploaded is not None:
                     out.append(Change(c.key, None, c.uploaded))
@@ -145,10 +150,7 @@ class ReplicatedBackend:
         return out
 
     async def wait_changes(self) -> None:
-        if not self._waiting:
-            # Received first, appended after: take_changes may swap the list meanwhile.
-            item = await self._applied.receive()
-            self._waiting.append(item)
+        await self._applied.wait()
 
     # -- namespace changes ------------------------------------------------------------------
 
@@ -451,7 +453,7 @@ def _attr_list(a: Attrs) -> list[int]:
 
 def applied_changes(state: Any, cmd: dict[str, Any]) -> Applied | None:
     """On the Raft thread, after each applied command: what it changed in the namespace
-    and who made it (for RaftGroup's `applied` channel)."""
+    and who made it (for RaftGroup's `applied` feed)."""
     changes = state.last_changes
     if not changes:
         return None

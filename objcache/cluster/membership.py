@@ -182,6 +182,11 @@ class Membership:
         m = self.members.get(node)
         return m.addr if m is not None else None
 
+    def joining(self, node: str) -> bool:
+        """Heard of (gossip, `hear_of`), not reached yet."""
+        m = self.members.get(node)
+        return m is not None and m.state == JOINING
+
     def suspect(self, node: str) -> None:
         """Route around `node` until it shows it is alive again, give up on the requests
         still waiting for it, and probe it first."""
@@ -360,6 +365,18 @@ class Membership:
         if m.state in (DEAD, LEFT):
             return m.state
         return "suspect" if node in self.suspects else ALIVE
+
+    def hear_of(self, node: str, addr: str, capacity: int) -> bool:
+        """A member known from elsewhere (the Raft log's member records) that we have not
+        heard of: reachable by its address at once, probed first, and on the ring once it
+        answers. A restarted node with no seed up hears of the others only when they retry
+        their seeds, SEED_RETRY_SECONDS later. False if we know it already."""
+        if node == self.me.id or node in self.members:
+            return False
+        self.members[node] = Member(node, addr, capacity, 0, state=JOINING,
+                                    last_ok=self.clock())
+        self._urgent.append(node)
+        return True
 
     def _view(self) -> list[dict[str, Any]]:
         return [m.record() for m in self.members.values() if m.state == ALIVE]

@@ -26,10 +26,14 @@ members however large the cluster grows.
   steps down first and its successor does). A crashed voter stays in the group while no
   learner can replace it, and rejoins with its journal when restarted; a learner keeps
   nothing on disk and starts from a snapshot.
+- A voter that starts with an empty journal in a group that has a log (a promoted learner,
+  a voter whose cache dir was wiped) neither votes nor stands for election until it has
+  caught up with the leader, and a wiped voter, whose address the group counts already,
+  acknowledges nothing until then (objcache/raft/follower_fix.py).
 
 What the state machine is, and what applying a command means to this node's caches, is
 the caller's (objcache.txn): commands applied (on pysyncobj's thread in a voter, on the
-trio thread in a learner) are handed to the trio thread through the `applied` channel, in
+trio thread in a learner) are handed to the trio thread through the `applied` feed, in
 log order, each once, whoever applied it.
 """
 
@@ -82,6 +86,34 @@ class _Tag:
     command: only the current one's are handed on."""
 
 
+class AppliedFeed(Generic[T]):
+    """What the Raft member applied, for the trio thread, in log order: `put` (run by
+    pysyncobj's thread through `run_sync_soon`, whose callbacks run in order) appends,
+    `take` returns everything so far, and `wait` returns once there is something without
+    taking it. (A trio memory channel hands an item to a receiver that waits for it
+    directly: until that task runs, the item is in no buffer, and a `take` by another
+    task (a read barrier that returned at the same moment) applied the changes after it
+    first. A node catching up with the log after a cut applied an unlink before the
+    rename that made the name, and listed the unlinked name for good: the partition
+    nemesis, seed 2116.)"""
+
+    def __init__(self) -> None:
+        self._items: list[T] = []
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def put(self, item: T) -> None:
+        self._items.append(item)
+        self._lot.unpark_all()
+
+    def take(self) -> list[T]:
+        items, self._items = self._items, []
+        return items
+
+    async def wait(self) -> None:
+        while not self._items:
+            await self._lot.park()
+
+
 class RaftGroup(Generic[T]):
     """Attributes:
     ready: a first barrier passed: our member has applied the cluster's log (what we show
@@ -121,7 +153,7 @@ class RaftGroup(Generic[T]):
         self.ready = False
         self.promotions = 0
         self.demotions = 0
-        self._applied_send, self.applied = trio.open_memory_channel[T](math.inf)
+        self.applied = AppliedFeed[T]()
         self._applied_index = 0
         self._applied_event = trio.Event()
         self._feed_event = trio.Event()
@@ -225,7 +257,7 @@ class RaftGroup(Generic[T]):
 
     def _deliver(self, item: T | None, index: int) -> None:
         if item is not None:
-            self._applied_send.send_nowait(item)
+            self.applied.put(item)
         self._advance(index)
 
     def _advance(self, index: int) -> None:
@@ -278,10 +310,15 @@ class RaftGroup(Generic[T]):
         except (OSError, ValueError, KeyError, TypeError):
             self.group = ""  # a journal from before groups had ids
 
-    def _new_voter(self, partners: list[str], tag: _Tag) -> RaftNode:
+    def _new_voter(self, partners: list[str], tag: _Tag, joining: bool = False,
+                   wiped: bool = False) -> RaftNode:
+        """`joining`: our journal is empty and the group's log is not; we do not vote until
+        caught up. `wiped`: the group counts our address as a voter already; we do not
+        count toward a commit until caught up either."""
         self._save_group(partners)
         node = RaftNode(self.addr, partners, self.dir, self.secret, self.new_state(),
-                        lambda m, c, i: self._applied_by(tag, m, c, i))
+                        lambda m, c, i: self._applied_by(tag, m, c, i),
+                        joining=joining, wiped=wiped)
         node.feed.on_add = self._wake_feed
         log.info("raft member %s started with partners %s", self.addr, partners or "none")
         return node
@@ -352,14 +389,17 @@ class RaftGroup(Generic[T]):
         group = msg.get("group")
         if isinstance(group, str) and group and self.group and group != self.group:
             raise PeerError(f"we follow group {self.group}, not {group}")
-        self._begin_promotion([v for v in voters if v != self.addr])
+        self._begin_promotion([v for v in voters if v != self.addr], self.addr in voters)
         return {"ok": True}, None
 
-    def _begin_promotion(self, voters: list[str]) -> None:
+    def _begin_promotion(self, voters: list[str], wiped: bool = False) -> None:
+        """`wiped`: the group counts our address as a voter already (a restart without
+        our journal, a promotion we gave up): the leader may believe we hold entries we
+        no longer have."""
         log.info("raft: promoted to voter; starting a voter with partners %s", voters)
         shutil.rmtree(self.dir, ignore_errors=True)  # a fresh journal: the leader sends it
         tag = _Tag()
-        node = self._new_voter(voters, tag)
+        node = self._new_voter(voters, tag, joining=bool(voters), wiped=wiped and bool(voters))
         with self._deliver_lock:
             self._promoting, self._promoting_tag = node, tag
         assert self._nursery is not None
@@ -450,7 +490,7 @@ class RaftGroup(Generic[T]):
                 elif isinstance(cur, Learner) and self._promoting is None and \
                         self.addr in cur.voters:
                     # the group counts us as a voter (a promotion we gave up, a restart)
-                    self._begin_promotion([v for v in cur.voters if v != self.addr])
+                    self._begin_promotion([v for v in cur.voters if v != self.addr], True)
                 if not recorded and self._current is not None:
                     await self._current.submit(
                         {"op": "member", "node": me.id, "addr": me.addr, "cap": me.capacity,

@@ -849,7 +849,14 @@ class Filesystem:
         ev = self._list_inflight[d.ino] = trio.Event()
         try:
             if not self._fresh(d.listed):
+                # A listing resets the directory's counts, but these lookups are readers
+                # still at work: with its files no longer "being read", the next lookups
+                # and the prefetch HEADed each small file that its open then GETs (a
+                # full-suite run: 280 HEADs, 303 GETs and 18 LISTs for 300 files read
+                # by 8 threads on a slow machine, where 16 + 8 HEADs is the bound).
+                reading = d.read_children
                 await self._list(d, force=True)
+                d.read_children = max(d.read_children, reading)
         finally:
             del self._list_inflight[d.ino]
             ev.set()
@@ -1305,26 +1312,78 @@ class Filesystem:
             if fresh.ino != inode.ino:
                 raise NotFound(inode.key)
             lf = self.local.by_key.get(inode.key)
-        if writable and flags & os.O_TRUNC:
-            # O_TRUNC changes the file (and its mtime) even when it is empty already.
-            lf = lf or await self._working_copy(inode, empty=True)
-            await self.local.truncate(lf, 0)
-        if writable and lf is not None:
+        if writable:
+            lf = self._writer_copy(inode, lf)
+        if writable and flags & os.O_TRUNC and lf is None:
+            lf = await self._working_copy(inode, empty=True)
+        if not writable or lf is None:
+            source = self._source(inode)
+            if self._landing(inode, lf, source):
+                ref = source.ref  # type: ignore[attr-defined]
+                await self.router.landed(ref.key, ref.etag, ref.size, LANDING_PATIENCE)
+            return self._opened(inode, writable, source, lf)
+        # Open (and a writer) from here on, before it waits below (the copy that unshares
+        # a sealed blob):
+        # - a working copy nobody had open could be dropped meanwhile (the RELEASE of the
+        #   previous handle, another node's commit of the key, an eviction) and its data
+        #   file deleted: the open answered EIO (FileNotFoundError; the partition
+        #   nemesis, on a healthy cluster). An open one is set aside instead, and this
+        #   handle keeps it;
+        # - the RELEASE of the previous handle leaves what this open truncates to this
+        #   handle's close (`release`).
+        was_dirty = lf.dirty
+        self.local.opened(lf, True)
+        try:
+            if flags & os.O_TRUNC:
+                # O_TRUNC changes the file (and its mtime) even when it is empty already.
+                await self.local.truncate(lf, 0)
             # A sealed blob sharing the working copy's file gets its own before a writer
             # may write the file (without us, through passthrough).
             await self.local.unshare(lf)
-        source = self._source(inode)
-        if self._landing(inode, lf, source):
-            ref = source.ref  # type: ignore[attr-defined]
-            await self.router.landed(ref.key, ref.etag, ref.size, LANDING_PATIENCE)
-        return self._opened(inode, writable, source, lf)
+            return self._opened(inode, True, self._source(inode), lf, counted=True)
+        except BaseException:
+            self._uncount(lf, True)
+            if not was_dirty and lf.dirty and lf.opens == 0 and not lf.removed:
+                # The open failed after its truncate: nobody will close (and commit) it.
+                # Left here, the truncated copy was what this node showed: a read of it
+                # returned an empty file nobody wrote (the partition nemesis, 5 nodes).
+                # What was committed before stays the file's content.
+                self.local.remove(lf)
+            raise
+
+    def _writer_copy(self, inode: Inode, lf: LocalFile | None) -> LocalFile | None:
+        """The working copy a writer opening `inode` writes: while the inode's open
+        handles are passed through, the kernel's backing file of it (one per inode; a
+        cached object version becomes the working copy, `_hand_over`), else `lf`.
+        StaleObject, before anything is changed, when the backing file cannot be one."""
+        b = inode.backed
+        if b is None:
+            return lf
+        if b.lf is None and b.obj is not None:
+            self._hand_over(inode, b)
+        if b.lf is None:
+            # (its version left the cache while read: reopening gets the current one)
+            raise StaleObject(f"{inode.key}: changed while open; open it again")
+        return b.lf
+
+    def _uncount(self, lf: LocalFile, writable: bool) -> None:
+        """An open that counted `lf` failed: as if its handle were released."""
+        self.local.closed(lf, writable)
+        if lf.opens == 0:
+            self.backend.released(lf)
 
     def _opened(self, inode: Inode, writable: bool, source: Source,
-                lf: LocalFile | None) -> tuple[int, bool, int]:
+                lf: LocalFile | None, counted: bool = False) -> tuple[int, bool, int]:
+        """`counted`: `lf` is counted as open already (by `open`)."""
         fh = FileHandle(inode, writable, source, lf)
-        if lf is not None:
+        if lf is not None and not counted:
             self.local.opened(lf, writable)
-        backing_id = self._pass_through(fh)
+        try:
+            backing_id = self._pass_through(fh)
+        except BaseException:
+            if lf is not None and not counted:
+                self._uncount(lf, writable)
+            raise
         keep = inode.kernel_gen == inode.content_gen
         if not keep:
             self.notify.attrs_now(inode.ino)  # the kernel's size may be an old version's
@@ -1352,11 +1411,10 @@ class Filesystem:
                 b.obj = self.router.cache.hold(*found[2])
             inode.backed = b
         if h.writable:
-            if b.lf is None:
-                self._hand_over(inode, b)
-            if b.lf is None:
-                # (its version left the cache while read: a writer of this inode has no
-                # file to share with the readers; reopening gets the current version)
+            lf = self._writer_copy(inode, h.lf)
+            if h.lf is not None and h.lf is not lf:
+                # (the handles open here have another version's file, taken while `open`
+                # waited: reopening gets the current version)
                 raise StaleObject(f"{inode.key}: changed while open; open it again")
             if h.lf is None:
                 h.lf = b.lf  # its writes go there, by the kernel
@@ -1567,8 +1625,12 @@ class Filesystem:
         lf = h.lf
         if h.backed and h.writable:
             self.local.bypass_closed(lf)
-        if h.writable and lf.dirty and not lf.removed:
-            # Written after the last flush (a dup'ed descriptor, mmap write-back).
+        if h.writable and lf.dirty and not lf.removed and self._last_writer(h):
+            # Written after the last flush (a dup'ed descriptor, mmap write-back). Not
+            # while another handle may write it: what that one did is its close's to
+            # commit, or to withdraw should it fail (the RELEASE that follows a close(2)
+            # came after the next open(O_TRUNC) and committed its truncation: an empty
+            # file, for good when that writer's close then failed; the partition nemesis).
             try:
                 await self._close(h.inode, lf, final=self._last_writer(h))
             except ObjcacheError as ex:

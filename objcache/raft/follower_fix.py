@@ -21,6 +21,28 @@ feed a non-ticking member crafted messages):
    commit index + 1 when our tail is not the leader's term: committed entries never
    conflict, and resent entries are trimmed as in 1.
 
+3. Votes of a member without a log (`joining`): Raft's safety assumes a voter never
+   forgets its log. A node whose cache disk was wiped comes back at its old address, and
+   the group still counts that address as a voter; with an empty log it would grant its
+   vote to any candidate, so a stale candidate plus the wiped node made a majority
+   without entries committed before the wipe, and the new leader erased them (the
+   partition nemesis, seed 1101: acknowledged files lost). A member that joins with no
+   log neither votes nor stands for election until it holds an entry that the leader
+   committed in its own term: then every committed entry is in its log, as in any voter's
+   (Raft thesis 4.2.1 adds servers as non-voting until caught up for the same reason).
+   A member whose address the group already counts as a voter (`wiped`: its cache dir
+   was lost) acknowledges nothing either while joining (a success is sent as a reset that
+   moves the leader's next index but never counts toward a commit, and the leader forgets
+   what our previous incarnation acknowledged), and "caught up" needs a commit made after
+   we first heard from the leader in its term: made without us, so by a majority of the
+   other voters in that term, none of which has seen a later term. A leader left over
+   from an older term (frozen while the others elected a successor, not yet stepped
+   down) committed its entries before; with our acknowledgements it committed new ones
+   against the successor's log, which later replaced entries already applied
+   (test_voter_back_without_its_log_cannot_elect_a_stale_node: k0 lost on two nodes).
+   A new member (not yet a voter) acknowledges as before: the group's majority without
+   it already rejects a stale leader, and a group of one could not grow otherwise.
+
 Snapshot and chunked ("transmission") messages go to pysyncobj unchanged; objcache keeps
 commands out of the chunked path (appendEntriesBatchSizeBytes, objcache/raft/node.py).
 The names below are pysyncobj's private (name-mangled) methods: the pin on
@@ -29,25 +51,72 @@ pysyncobj==0.3.17 in pyproject.toml is what makes overriding them safe.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pysyncobj import SyncObj
+from pysyncobj.monotonic import monotonic
+
+log = logging.getLogger(__name__)
 
 
 class FollowerFix:
     """Mix in before SyncObj: `class Replica(FollowerFix, SyncObj)`."""
 
     _ack_limit: int | None = None  # see _follow
+    # 3.: set before SyncObj.__init__ (never part of a dump); cleared once caught up
+    joining: bool = False
+    wiped: bool = False  # 3.: the group counts our address as a voter already
+    # 3.: (term, the leader's commit index) from the first append_entries of that term
+    _join_base: tuple[int, int] | None = None
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> Any:
         self._ack_limit = None
-        if (isinstance(message, dict) and message.get("type") == "append_entries"
-                and "prevLogIdx" in message and message.get("transmission") is None):
+        kind = message.get("type") if isinstance(message, dict) else None
+        if self.joining and kind == "request_vote":
+            return None  # no vote while our log may lack committed entries
+        if self.joining and self.wiped and kind == "append_entries":
+            term = message["term"]
+            if (term >= self._SyncObj__raftCurrentTerm  # type: ignore[attr-defined]
+                    and (self._join_base is None or self._join_base[0] != term)):
+                self._join_base = (term, message["commit_index"])
+        if kind == "next_node_idx" and message.get("joining"):
+            # a member without a log: nothing its previous incarnation acknowledged counts
+            match = self._SyncObj__raftMatchIndex  # type: ignore[attr-defined]
+            if node in match:
+                match[node] = 0
+        if (kind == "append_entries" and "prevLogIdx" in message
+                and message.get("transmission") is None):
             message = self._follow(message)
         try:
             return SyncObj._SyncObj__onMessageReceived(self, node, message)  # type: ignore
         finally:
             self._ack_limit = None
+            if self.joining and kind == "append_entries":
+                self._check_caught_up()
+
+    def _check_caught_up(self) -> None:
+        """Vote again once our commit index holds an entry of the leader's term (a leader
+        commits an entry of its own term only with every earlier one); `wiped`: one it
+        committed after we first heard from it, so without our acknowledgement, by a
+        majority of the other voters, none of which had seen a later term."""
+        commit = self._SyncObj__raftCommitIndex  # type: ignore[attr-defined]
+        term = self._SyncObj__raftCurrentTerm  # type: ignore[attr-defined]
+        base = self._join_base
+        if self.wiped and (base is None or base[0] != term or commit <= base[1]):
+            return
+        got = self._SyncObj__getEntries(commit, 1)  # type: ignore[attr-defined]
+        if got and got[0][2] == term:
+            self.joining = False
+            self._SyncObj__raftElectionDeadline = (  # type: ignore[attr-defined]
+                monotonic() + self._SyncObj__generateRaftTimeout())  # type: ignore
+            log.info("raft: caught up with the leader's log (index %d, term %d); voting "
+                     "from now on", commit, got[0][2])
+
+    def _onTick(self, timeToWait: float = 0.0) -> Any:
+        if self.joining:  # no candidacy either: push the election deadline on
+            self._SyncObj__raftElectionDeadline = monotonic() + 3600  # type: ignore
+        return SyncObj._onTick(self, timeToWait)  # type: ignore[misc]
 
     def _follow(self, message: dict[str, Any]) -> dict[str, Any]:
         get = self._SyncObj__getEntries  # type: ignore[attr-defined]
@@ -87,5 +156,12 @@ class FollowerFix:
             if my_term != self._SyncObj__raftCurrentTerm:  # type: ignore[attr-defined]
                 asked = my_last + 1 if nextNodeIdx is None else nextNodeIdx
                 nextNodeIdx = min(asked, self._SyncObj__raftCommitIndex + 1)  # type: ignore
+        if self.joining and self.wiped:  # 3.: moves the next index, never counts for a commit
+            if nextNodeIdx is None:
+                nextNodeIdx = self._SyncObj__getCurrentLogIndex() + 1  # type: ignore
+            self._SyncObj__transport.send(node, {  # type: ignore[attr-defined]
+                "type": "next_node_idx", "next_node_idx": nextNodeIdx,
+                "reset": reset or success, "success": False, "joining": True})
+            return None
         return SyncObj._SyncObj__sendNextNodeIdx(self, node, reset=reset,  # type: ignore
                                                  nextNodeIdx=nextNodeIdx, success=success)

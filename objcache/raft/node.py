@@ -214,11 +214,14 @@ def _nothing() -> None:
 
 class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
     def __init__(self, self_addr: str, partners: list[str], conf: SyncObjConf,
-                 state: StateMachine, on_applied: Applied = _ignore) -> None:
+                 state: StateMachine, on_applied: Applied = _ignore,
+                 joining: bool = False, wiped: bool = False) -> None:
         self.state = state
         self.on_applied = on_applied  # set before __init__: never dumped
         self.feed = Feed()
         self._fed_state = state
+        self.joining = joining  # see FollowerFix: no vote until caught up
+        self.wiped = wiped  # see FollowerFix: nor an acknowledgement
         super().__init__(self_addr, partners, conf=conf, transportClass=GuardedTransport)
         # pysyncobj dumps (log compaction, a snapshot sent to a new follower) only hold
         # attributes set after its __init__: the state must be one of them.
@@ -348,11 +351,17 @@ class Batcher:
 
 class RaftNode:
     def __init__(self, self_addr: str, partners: list[str], data_dir: Path,
-                 secret: str, state: StateMachine, on_applied: Applied = _ignore) -> None:
+                 secret: str, state: StateMachine, on_applied: Applied = _ignore,
+                 joining: bool = False, wiped: bool = False) -> None:
+        """`joining`: we start with no log into a group that has one; we neither vote
+        nor stand for election until caught up (objcache/raft/follower_fix.py). `wiped`:
+        the group counts our address as a voter already (our cache dir was lost); until
+        caught up we do not count toward a commit either."""
         data_dir.mkdir(parents=True, exist_ok=True)
         self.addr = self_addr
         self._replica = _Replica(self_addr, [p for p in partners if p != self_addr],
-                                 make_conf(data_dir, secret, self_addr), state, on_applied)
+                                 make_conf(data_dir, secret, self_addr), state, on_applied,
+                                 joining, wiped)
         self.batcher = Batcher(self._send_batch)
 
     @property
@@ -501,7 +510,8 @@ class RaftNode:
                 "log_entries": st.get("log_len"),
                 "commands": getattr(self.state, "applied", None),
                 "batches": self.batcher.batches, "batched_commands": self.batcher.commands,
-                "thread_cpu_seconds": self._thread_cpu()}
+                "thread_cpu_seconds": self._thread_cpu(),
+                "voting": not self._replica.joining}
 
     def _thread_cpu(self) -> float | None:
         """CPU time of pysyncobj's thread (all Raft messaging, the journal, applying)."""

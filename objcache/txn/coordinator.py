@@ -244,17 +244,43 @@ class TxnClient:
         return self.node.membership.owner(key_point(key))
 
     def _candidates(self, key: str) -> list[str]:
-        """Nodes to hold a replica, best first: the owner, then the ring's successors."""
-        ring = self.node.membership.ring
+        """Nodes to hold a replica, best first: the owner, then the ring's successors, then
+        members the Raft log records that our membership has not reached yet."""
+        ms = self.node.membership
         point = key_point(key)
-        skip = set(self.node.membership.suspects) | {self.node_id}
+        skip = set(ms.suspects) | {self.node_id}
         out: list[str] = []
         while True:
-            n = ring.owner(point, skip)
+            n = ms.ring.owner(point, skip)
             if n is None:
-                return out
+                break
             out.append(n)
             skip.add(n)
+        recorded = self._recorded()
+        self._introduce(recorded)
+        return out + [n for n in recorded if n not in skip and ms.joining(n)]
+
+    def _recorded(self) -> list[str]:
+        """The members the Raft log records (each node commits its record once per start;
+        one that leaves cleanly removes it)."""
+        st = self.state
+        with st.lock:
+            return sorted(st.members)
+
+    def _introduce(self, nodes: list[str]) -> None:
+        """Tell our membership the addresses the Raft log records for those of `nodes` it
+        has not heard of. A node restarted while no seed of it was up knows only itself
+        until the others retry their seeds: its ring was itself alone, so its closes were
+        acknowledged with its own copy only, and it could not read the blobs others held
+        (chaos seed 3120)."""
+        ms = self.node.membership
+        st = self.state
+        for n in nodes:
+            if n != self.node_id and ms.addr_of(n) is None:
+                with st.lock:
+                    rec = st.members.get(n)
+                if rec is not None:
+                    ms.hear_of(n, str(rec["addr"]), int(rec["cap"]))
 
     def new_cid(self) -> str:
         return f"{uuid.uuid4().hex}"
@@ -288,7 +314,9 @@ class TxnClient:
                                               timeout=self.timeout + 60)
             if got is not None and got[0].get("ok"):
                 holders.append(node)
-        if len(holders) < min(self.replicas, len(self.node.membership.ring)):
+        # (members the ring lacks but the log records count: one may have been unreachable)
+        known = set(self.node.membership.ring.members) | set(self._recorded())
+        if len(holders) < min(self.replicas, len(known)):
             log.warning("%r closed with %d copies (wanted %d): not enough live nodes",
                         key, len(holders), self.replicas)
         return holders
@@ -298,7 +326,10 @@ class TxnClient:
         if length <= 0:
             return b""
         if self.dirty.has(cid):
-            return await self.dirty.read(cid, offset, length)
+            data = await self.dirty.read(cid, offset, length)
+            if len(data) != length:
+                raise NotFound(f"blob {cid} has {offset + len(data)} bytes here")
+            return data
         got = await self._from_a_holder(cid, holders, {"off": offset, "len": length},
                                         length)
         return bytes(got)
@@ -327,6 +358,7 @@ class TxnClient:
         deadline = time.monotonic() + ms.timeout
         gone: set[str] = set()  # holders that answered they do not hold it (any more)
         while True:
+            self._introduce(holders)
             for node in holders:
                 if node == self.node_id or node in gone or ms.addr_of(node) is None:
                     continue
@@ -338,7 +370,12 @@ class TxnClient:
                     gone.add(node)
                     continue
                 if got is not None and got[1] is not None:
-                    return got[1]
+                    if len(got[1]) == length:
+                        return got[1]
+                    # (the caller asks for bytes the blob has: a short answer would reach
+                    # the application as an early end of file)
+                    log.warning("holder %s sent %d bytes of blob %s, not %d: asking another",
+                                node, len(got[1]), cid, length)
             if gone and gone >= set(holders) - {self.node_id}:
                 # Every holder dropped it: a newer version replaced this one, and our view
                 # is older (a node cut off from the majority serves what it applied).

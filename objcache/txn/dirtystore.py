@@ -67,6 +67,29 @@ def _same_file(a: str, b: str) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
+READ_TRIES = 3
+
+
+def _read_blob_file(path: str, offset: int, length: int) -> bytes:
+    """pread of a blob's file, read again if the name came to show another file meanwhile.
+    A blob sealed as a hard link to a working copy is detached before that copy is
+    written again (`detach`: a copy renamed over the blob's name, then the working copy
+    is truncated and rewritten): a read that opened the name before the rename and read
+    after the truncate got the working copy's new bytes, or none (a peer's read of a
+    register then returned an empty file; the partition nemesis, 5 nodes)."""
+    for _ in range(READ_TRIES):
+        with open(path, "rb") as f:
+            data = os.pread(f.fileno(), length, offset)
+            st = os.fstat(f.fileno())
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            break
+        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            return data
+    raise NotFound(f"blob file {path} was replaced or removed while read")
+
+
 @dataclass(slots=True)
 class Stage:
     end: int = 0  # bytes [0, end) are in the stage file
@@ -192,11 +215,8 @@ class DirtyStore:
                 raise NotFound(f"blob {cid} is not held here")
             path = self.path(cid)
 
-        def fn() -> bytes:
-            with open(path, "rb") as f:
-                return os.pread(f.fileno(), length, offset)
-
-        return await trio.to_thread.run_sync(fn, limiter=self.io)
+        return await trio.to_thread.run_sync(_read_blob_file, path, offset, length,
+                                             limiter=self.io)
 
     # -- replication while writing ----------------------------------------------------------
 

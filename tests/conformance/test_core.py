@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -422,3 +423,136 @@ async def test_a_directory_stays_the_same_directory_when_its_marker_is_written_b
     await trio.sleep(0.05)  # the change reaches B's core
     assert await env.b.ino("d") == ino
     assert await env.b.fs.readdir(ino) == []
+
+
+async def test_the_last_release_while_the_next_o_trunc_open_copies_the_blob(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer loop (open O_TRUNC, write, close) on a cluster node: the kernel's RELEASE
+    of the previous handle may arrive while the next open(O_TRUNC) copies the sealed blob
+    out of the working copy. That release dropped the working copy, nobody having it
+    open yet, and deleted its data file: the open answered EIO (FileNotFoundError; the
+    partition nemesis, on healthy nodes)."""
+    from objcache.cache import localfiles
+    from tests.helpers.inproc import FaultyStore, cluster
+
+    async with cluster(FaultyStore(MemoryStore()), tmp_path, 2) as (p0, p1):
+        a, b = Posix(p0.fs), Posix(p1.fs)
+        fh1 = await b.create("f")
+        await b.fs.write(fh1, 0, b"first")
+        await b.fs.flush(fh1)  # close(2) returned: sealed, committed; no RELEASE yet
+        copy, copies = localfiles._copy_file, []
+
+        def release_then_copy(src: str, dst: str) -> None:
+            copies.append(src)
+            trio.from_thread.run(b.fs.release, fh1)
+            copy(src, dst)
+
+        monkeypatch.setattr(localfiles, "_copy_file", release_then_copy)
+        fh2 = await b.open("f", os.O_WRONLY | os.O_TRUNC)
+        assert copies, "the open did not copy the sealed blob: the race was not run"
+        await b.fs.write(fh2, 0, b"second")
+        await b.close(fh2)
+        assert await a.read("f") == b"second"
+        assert await b.read("f") == b"second"
+
+
+async def test_the_release_after_the_next_o_trunc_open_does_not_commit_its_truncation(
+        tmp_path: Path) -> None:
+    """The kernel sends the RELEASE of a closed handle after close(2) returned, and the
+    next open(O_TRUNC) of the file may come first. That RELEASE found the working copy
+    dirty (truncated by the open) and committed it: every node read an empty file
+    before the writer wrote or closed, and for good when its close then failed (the
+    partition nemesis, 5 nodes: an acknowledged register ended empty everywhere)."""
+    from tests.helpers.inproc import FaultyStore, cluster
+
+    async with cluster(FaultyStore(MemoryStore()), tmp_path, 2) as (p0, p1):
+        a, b = Posix(p0.fs), Posix(p1.fs)
+        fh1 = await b.create("f")
+        await b.fs.write(fh1, 0, b"first")
+        await b.fs.flush(fh1)  # close(2) returned; its RELEASE is still on its way
+        fh2 = await b.open("f", os.O_WRONLY | os.O_TRUNC)
+        await b.fs.release(fh1)
+        assert await a.read("f") == b"first", "the RELEASE committed the next truncation"
+        await b.fs.write(fh2, 0, b"second")
+        await b.close(fh2)
+        assert await a.read("f") == b"second"
+        assert await b.read("f") == b"second"
+
+
+class _HeldToken:
+    """A node's Raft member hands what it applied to the trio thread through its trio
+    token; while `holding`, those callbacks are kept, to be run later in one batch."""
+
+    def __init__(self, real: trio.lowlevel.TrioToken) -> None:
+        self.real = real
+        self.holding = True
+        self.held: list[tuple[object, tuple[object, ...]]] = []
+
+    def run_sync_soon(self, fn: object, *args: object) -> None:
+        if self.holding:
+            self.held.append((fn, args))  # (list.append: safe from pysyncobj's thread)
+        else:
+            self.real.run_sync_soon(fn, *args)  # type: ignore[arg-type]
+
+
+async def test_changes_another_node_applied_in_one_batch_are_shown_in_log_order(
+        tmp_path: Path) -> None:
+    """A node cut off from the majority catches up with the log in one burst when it
+    rejoins. The first change of the burst went straight to the core's task waiting for
+    changes, the rest waited in the channel, and a call that caught up before that task
+    ran (a barrier that had just failed: "serving from what this node has applied")
+    applied the rest first: the unlink of a renamed file found no such name, then the
+    rename put the name into the listing, for good (the partition nemesis, 5 nodes, seed
+    2116: `ns/n4w0-464.r` listed on one node after its unlink was acknowledged)."""
+    from tests.helpers.inproc import FaultyStore, cluster
+
+    async with cluster(FaultyStore(MemoryStore()), tmp_path, 2) as (p0, p1):
+        a, b = Posix(p0.fs), Posix(p1.fs)
+        await a.mkdir("d")
+        await a.write("d/f", b"x" * 100)
+        assert await b.listdir("d") == ["f"]  # b has the directory listed
+        assert p1.member is not None
+        group = p1.member.node.raft
+        token = _HeldToken(group._token)  # type: ignore[arg-type]
+        group._token = token  # type: ignore[assignment]
+        await a.rename("d/f", "d/f.r")
+        await a.unlink("d/f.r")
+        with trio.fail_after(10):
+            while len(token.held) < 2:  # b's member applied both (b cut off from them)
+                await trio.sleep(0.01)
+        token.holding = False
+        # b's barrier just failed: it serves what it has applied, without a round.
+        p1.backend.txn._degraded_until = time.monotonic() + 60  # type: ignore[attr-defined]
+        for fn, args in token.held:  # one batch, as trio's run_sync_soon queue runs them
+            fn(*args)  # type: ignore[operator]
+        await b.fs.sync()  # (no checkpoint before it takes the changes)
+        await trio.sleep(0.1)  # the core's own task takes what it was handed
+        assert await b.listdir("d") == []
+        assert not await b.exists("d/f.r")
+
+
+async def test_an_o_trunc_open_that_fails_after_its_truncate_leaves_the_file_as_it_was(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An open(O_TRUNC) can fail after it truncated the working copy (the kernel's
+    backing file of the inode changed meanwhile: ESTALE). Nobody was going to close that
+    copy, and it stayed what the node showed: the next read there returned an empty file
+    that nobody wrote (the partition nemesis, 5 nodes)."""
+    from objcache.core.filesystem import Filesystem
+    from objcache.core.handles import FileHandle
+    from objcache.errors import StaleObject
+    from tests.helpers.inproc import FaultyStore, cluster
+
+    async with cluster(FaultyStore(MemoryStore()), tmp_path, 2) as (p0, p1):
+        a, b = Posix(p0.fs), Posix(p1.fs)
+        await b.write("f", b"first")
+        pass_through = Filesystem._pass_through
+
+        def stale(self: Filesystem, h: FileHandle) -> int:
+            raise StaleObject("the backing file changed")
+
+        monkeypatch.setattr(Filesystem, "_pass_through", stale)
+        with pytest.raises(StaleObject):
+            await b.open("f", os.O_WRONLY | os.O_TRUNC)
+        monkeypatch.setattr(Filesystem, "_pass_through", pass_through)
+        assert await b.read("f") == b"first"
+        assert await a.read("f") == b"first"

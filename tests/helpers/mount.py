@@ -159,6 +159,20 @@ class Mount:
         return [line for line in text.splitlines() if " ERROR " in line or "Traceback" in line]
 
 
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT end a long harness run through its `finally` blocks, which
+    unmount, end the daemons and take the test hosts and the S3 server down. (A run started
+    in the background by a non-interactive shell ignores SIGINT, and Python's own SIGTERM
+    exits without running them: a stopped campaign left mounts, daemons and network
+    namespaces behind.)"""
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
 def stop_all(mounts: list[Mount], grace: float = 1.0) -> None:
     """Tear mounts down at once, and briefly: a test's own assertions are done by now, and
     daemons of a cluster stopped together cannot leave it gracefully (each waits for a

@@ -186,6 +186,62 @@ def test_leader_killed_during_rename_storm(cluster):  # type: ignore[no-untyped-
         assert m.errors_in_log() == []
 
 
+def test_voter_back_without_its_log_cannot_elect_a_stale_node(cluster):  # type: ignore
+    """Seed 1101 of the partition nemesis, with SIGSTOP for the cut: a voter whose cache
+    dir was wiped comes back at its old Raft address. Its empty log must not vote a node
+    that missed committed entries into leadership, or those entries are erased."""
+    a, b, c = nodes = _three(cluster)  # a falls behind, b keeps the entries, c is wiped
+    (b.mnt / "gone").write_bytes(b"unlinked below")
+    stopped: list[Mount] = []
+
+    def freeze(m: Mount) -> None:
+        assert m.proc is not None
+        os.kill(m.proc.pid, signal.SIGSTOP)
+        stopped.append(m)
+
+    def thaw(m: Mount) -> None:
+        assert m.proc is not None
+        os.kill(m.proc.pid, signal.SIGCONT)
+        stopped.remove(m)
+
+    want = {f"k{j}": os.urandom(1000 + j) for j in range(6)}
+    try:
+        freeze(a)
+        for name, data in want.items():  # acknowledged: committed by b and c
+            (b.mnt / name).write_bytes(data)
+        os.unlink(b.mnt / "gone")
+        freeze(b)
+        c.kill9()
+        shutil.rmtree(c.cache)
+        thaw(a)
+        # c restarts with an empty log while only the stale a is up; the mount waits
+        # (bounded by --catch-up-seconds) for a leader that holds the log
+        failed: list[BaseException] = []
+
+        def restart() -> None:
+            try:
+                c.start(timeout=90)
+            except BaseException as e:
+                failed.append(e)
+
+        seen = c.log_path.stat().st_size
+        t = threading.Thread(target=restart)
+        t.start()
+        _wait(lambda: "started with partners ['" in c.log_path.read_bytes()[seen:].decode(
+            errors="replace"), 30, "c's Raft member started in the group")
+        time.sleep(4)  # several election timeouts (0.4-1.4 s) for a to try
+        thaw(b)
+        t.join(120)
+        assert not failed, failed
+    finally:
+        for m in list(stopped):
+            thaw(m)
+    cluster.wait_raft(nodes, 3, timeout=60)
+    for m in nodes:
+        assert {k: (m.mnt / k).read_bytes() for k in want} == want, m.mnt
+        assert not (m.mnt / "gone").exists(), m.mnt
+
+
 def _staged(nodes: list[Mount]) -> int:
     """The largest stage file (bytes pulled while a file is being written) on `nodes`."""
     return max((f.stat().st_size for n in nodes for f in (n.cache / "dirty").glob("*.stage")),

@@ -1,7 +1,8 @@
 """Reading a blob from its holders: a holder this node has not heard of yet (a restarted
 node, before membership learns the others' addresses) is waited for, up to --peer-timeout,
 instead of failing the read at once (the cause of test_leader_killed_during_rename_storm's
-restart EIO)."""
+restart EIO); and a holder the Raft log records is asked at its recorded address at once
+(chaos seed 3120: the wait ran out before the others retried their seeds)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import trio
 
 from objcache.errors import PeerError
 from objcache.txn.coordinator import TxnClient
+from objcache.txn.state import ClusterState
 
 
 class Membership:
@@ -22,6 +24,10 @@ class Membership:
 
     def addr_of(self, node: str) -> str | None:
         return self.addrs.get(node)
+
+    def hear_of(self, node: str, addr: str, capacity: int) -> bool:
+        self.addrs.setdefault(node, addr)
+        return True
 
 
 class Client:
@@ -40,12 +46,18 @@ class Client:
         return {"data": len(data)}, data
 
 
+class Raft:
+    def __init__(self) -> None:
+        self.state = ClusterState()  # the replicated state: members recorded in the log
+
+
 class Node:
     def __init__(self, timeout: float) -> None:
         self.node_id = "a"
         self.membership = Membership(timeout)
         self.client = Client(self.membership)
         self.request_timeout = 5.0
+        self.raft = Raft()
 
 
 class NoBlobs:
@@ -69,6 +81,20 @@ async def test_a_holder_learned_of_after_the_read_started_serves_it() -> None:
         await txn.read_blob_into("c1", ["a", "b"], 9, memoryview(buf))
         assert bytes(buf) == b"\x09" * 3
     assert time.monotonic() - t0 >= 0.3
+
+
+async def test_a_holder_the_raft_log_records_serves_it_at_once() -> None:
+    """A node restarted with no seed up has heard of nobody, and the others retry their
+    seeds only every 5 s: the holders the log records are asked at their recorded
+    addresses (before: no holder could serve it within --peer-timeout, and the chaos
+    checker's flush failed, seed 3120)."""
+    node = Node(timeout=1.0)
+    node.raft.state.apply({"op": "member", "node": "b", "addr": "127.0.0.1:1", "cap": 1})
+    txn = TxnClient(node, NoBlobs(), 2, 10.0)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    assert await txn.read_blob("c1", ["a", "b"], 7, 4) == b"\x07" * 4
+    assert time.monotonic() - t0 < 0.5
+    assert node.client.asked == ["b"]
 
 
 async def test_no_holder_within_the_peer_timeout_is_an_error() -> None:
@@ -100,3 +126,26 @@ async def test_a_blob_every_holder_dropped_is_estale_not_enoent() -> None:
     with pytest.raises(StaleObject):
         await txn.read_blob("c1", ["a", "b"], 0, 4)
     assert time.monotonic() - t0 < 1.0
+
+
+class ShortClient(Client):
+    """Holder `b` answers with fewer bytes than asked (it read a blob file that a detach
+    replaced and the writer then truncated)."""
+
+    async def call(self, node: str, msg: dict[str, Any], max_data: int, timeout: float,
+                   into: memoryview | None = None) -> tuple[dict[str, Any], bytes] | None:
+        if node == "b":
+            self.asked.append(node)
+            return {"data": 0}, b""
+        return await super().call(node, msg, max_data, timeout, into)
+
+
+async def test_a_holder_that_sends_too_few_bytes_is_not_believed() -> None:
+    """A short answer reached the application as an early end of file: a register read
+    on another node returned empty (the partition nemesis, 5 nodes, seed 2127)."""
+    node = Node(timeout=3.0)
+    node.client = ShortClient(node.membership)
+    node.membership.addrs.update(b="127.0.0.1:1", c="127.0.0.1:2")
+    txn = TxnClient(node, NoBlobs(), 2, 10.0)  # type: ignore[arg-type]
+    assert await txn.read_blob("c1", ["b", "c"], 7, 4) == b"\x07" * 4
+    assert node.client.asked == ["b", "c"]

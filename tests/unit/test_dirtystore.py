@@ -83,3 +83,33 @@ async def test_a_linked_blob_gets_its_own_file_before_the_working_copy_changes(
     await ds.detach("b2", str(work), check(one))
     assert not ds.has("b2") and not _exists(ds.path("b2"))
     assert sorted(p.name for p in ds.root.iterdir()) == ["b1"]  # no copy left behind
+
+
+async def test_a_read_racing_the_detach_of_a_linked_blob_reads_the_blob(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that opened a linked blob's name before `detach` renamed the copy over it,
+    and read after the writer truncated the working copy, returned no bytes: a peer's read
+    of a register gave an empty file (the partition nemesis, 5 nodes, seed 2127)."""
+    ds = DirtyStore(tmp_path, lambda n: True, lambda n: None)
+    work = tmp_path / "working"
+    one = os.urandom(1 << 16)
+    work.write_bytes(one)
+    ds.seal("b1", str(work), len(one))
+    pread, raced = os.pread, []
+
+    def detach_then_pread(fd: int, n: int, off: int) -> bytes:
+        if not raced:  # between the read's open and its pread: detach, then truncate
+            raced.append(True)
+            trio.from_thread.run(ds.detach, "b1", str(work), _same_as(one))
+            os.truncate(work, 0)
+        return pread(fd, n, off)
+
+    monkeypatch.setattr(os, "pread", detach_then_pread)
+    assert await ds.read("b1", 100, 1000) == one[100:1100]
+    assert raced
+
+
+def _same_as(expected: bytes):  # type: ignore[no-untyped-def]
+    async def fn(path: str) -> bool:
+        return _read(path) == expected
+    return fn

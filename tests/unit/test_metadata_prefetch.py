@@ -208,3 +208,24 @@ async def test_a_prefetch_ahead_of_slow_readers_waits_for_them(env) -> None:  # 
         await trio.sleep(0.002)
     assert d in fs._meta_prefetching  # still there for the rest of the sweep
     assert fs._prefetch_wasted == 0 and not fs._prefetch_wasteful()
+
+
+async def test_a_relist_for_stale_lookups_keeps_the_directory_being_read(env) -> None:  # type: ignore
+    """Readers' lookups that went stale relist the directory; its files are still being
+    read, so the small ones stay one GET each (a relist that forgot it made every lookup
+    and the prefetch HEAD the files their opens then GET)."""
+    fs, store = env
+    d = await _listed_dir(fs)
+    for i in range(3):
+        attr = await fs.lookup(d, f"{i:05d}")
+        fh, _, _ = await fs.open(attr.ino, os.O_RDONLY)
+        await fs.release(fh)
+    inode = fs.inodes[d]
+    reading = inode.read_children
+    assert reading >= 3
+    inode.listed -= fs.ttl + 1  # the listing went stale while the files were read
+    await fs._relist(inode)
+    assert inode.read_children == reading
+    store.calls.clear()
+    await fs.lookup(d, f"{N - 1:05d}")  # a file not read yet: fetched whole, no HEAD
+    assert store.calls["head"] == 0 and store.calls["get"] >= 1

@@ -19,11 +19,11 @@ CMD = b"\x00cmd"  # a regular command (type byte 0); never applied here
 
 
 class Follower:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, joining: bool = False, wiped: bool = False) -> None:
         conf = make_conf(tmp, "secret")
         conf.autoTick, conf.journalFile, conf.fullDumpFile = False, None, None
         self.replica = _Replica(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"],
-                                conf, ClusterState())
+                                conf, ClusterState(), joining=joining, wiped=wiped)
         self.leader = next(iter(self.replica._SyncObj__otherNodes))
         self.sent: list[dict[str, Any]] = []
         self.replica._SyncObj__transport.send = lambda node, msg: self.sent.append(msg)
@@ -45,6 +45,14 @@ class Follower:
             "prevLogIdx": prev[0], "prevLogTerm": prev[1]})
         assert len(self.sent) == 1
         return self.sent[0]
+
+    def vote(self, term: int, last: tuple[int, int]) -> list[dict[str, Any]]:
+        """Ask for our vote; what we answered."""
+        self.sent.clear()
+        self.replica._SyncObj__onMessageReceived(self.leader, {
+            "type": "request_vote", "term": term, "last_log_index": last[0],
+            "last_log_term": last[1]})
+        return list(self.sent)
 
     def log(self) -> list[tuple[int, int]]:
         return [(e[1], e[2]) for e in self.replica._SyncObj__raftLog][1:]
@@ -116,3 +124,65 @@ def test_rejection_in_leaders_term_asks_for_the_next_entry(follower: Follower) -
     follower.load([1, 3, 3], commit=2, term=3)
     reply = follower.append(3, (20, 3), [(21, 3)], commit=30)
     assert reply["reset"] and reply["next_node_idx"] == 5
+
+
+def test_member_without_a_log_votes_only_once_caught_up(tmp_path: Path) -> None:
+    # Seed 1101 of the partition nemesis: a voter's cache dir was wiped and it came back at
+    # its old address with an empty log. Its vote let a candidate missing committed entries
+    # win, and the acknowledged files in those entries were lost.
+    f = Follower(tmp_path, joining=True)
+    try:
+        assert f.vote(5, (3, 2)) == []  # any candidate would be "at least as up to date"
+        # the leader of term 6 sends entries of old terms: still not caught up
+        f.append(6, (1, 0), [(2, 1), (3, 2)], commit=3)
+        assert f.replica.joining and f.vote(7, (3, 2)) == []
+        # an entry of the leader's own term committed: every earlier one is in our log
+        f.append(6, (3, 2), [(4, 6)], commit=4)
+        assert not f.replica.joining
+        assert f.vote(7, (4, 6)) == [{"type": "response_vote", "term": 7}]
+    finally:
+        f.replica.destroy()
+
+
+def test_member_with_its_log_votes_as_before(follower: Follower) -> None:
+    assert follower.vote(5, (3, 2)) == [{"type": "response_vote", "term": 5}]
+
+
+def test_member_without_a_log_does_not_count_for_a_leader_of_an_older_term(
+        tmp_path: Path) -> None:
+    # test_voter_back_without_its_log_cannot_elect_a_stale_node failed once: a was the
+    # term-1 leader and froze, b and c committed 14..33 in term 2, b froze, c came back
+    # wiped, and a, thawed before its leaderFallbackTimeout, still led term 1. c took a's
+    # term-1 commit index (13) for "caught up", acknowledged 14..16, a committed them with
+    # c, and b's log later replaced them after both had applied them (k0 lost).
+    f = Follower(tmp_path, joining=True, wiped=True)
+    try:
+        r = f.replica
+        reply = f.append(1, (1, 0), [(i, 1) for i in range(2, 14)], commit=13)
+        assert f.commit == 13 and r.joining  # committed before we heard from it
+        assert reply == {"type": "next_node_idx", "next_node_idx": 14, "reset": True,
+                         "success": False, "joining": True}
+        reply = f.append(1, (13, 1), [(14, 1), (15, 1)], commit=13)
+        assert not reply["success"] and reply["next_node_idx"] == 16 and r.joining
+        assert f.vote(2, (13, 1)) == []
+        # the current leader (term 3) commits an entry of its own term after we heard
+        # from it: a majority of the others acknowledged it, so its log is the group's
+        f.append(3, (13, 1), [(14, 2), (15, 3)], commit=13)
+        assert r.joining
+        f.append(3, (15, 3), [(16, 3)], commit=16)
+        assert not r.joining and f.log()[-3:] == [(14, 2), (15, 3), (16, 3)]
+        reply = f.append(3, (16, 3), [(17, 3)], commit=16)
+        assert reply == {"type": "next_node_idx", "next_node_idx": 18, "reset": False,
+                         "success": True}
+    finally:
+        f.replica.destroy()
+
+
+def test_leader_forgets_what_a_wiped_members_previous_incarnation_acknowledged(
+        follower: Follower) -> None:
+    r = follower.replica
+    r._SyncObj__raftMatchIndex[follower.leader] = 15  # acknowledged before the wipe
+    r._SyncObj__onMessageReceived(follower.leader, {
+        "type": "next_node_idx", "next_node_idx": 1, "reset": True, "success": False,
+        "joining": True})
+    assert r._SyncObj__raftMatchIndex[follower.leader] == 0
