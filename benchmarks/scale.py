@@ -69,6 +69,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def machine_busy() -> float:
+    """CPU seconds the whole machine has been busy (all cores, /proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]  # idle, iowait
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int, field: str = "VmRSS") -> float:
     """Resident MB (VmRSS; RssAnon: heap and anonymous maps; RssFile: mapped files)."""
     with open(f"/proc/{pid}/status") as f:
@@ -277,6 +285,10 @@ class Scale:
         os.listdir(b.mnt / d)
         data = os.urandom(KiB)
         wc, c2o = [], []
+        # (what the round trips cost the whole cluster: on 2 cores, every daemon applying
+        # every entry can make the round trip wait for CPU, not for the network)
+        pids = [self.pid(m) for m in self.mounts if m.proc is not None]
+        cpu0, busy0, t0_all = sum(cpu_seconds(p) for p in pids), machine_busy(), time.monotonic()
         for i in range(files):
             t0 = time.perf_counter()
             (a.mnt / d / f"f{i}").write_bytes(data)
@@ -290,9 +302,16 @@ class Scale:
             wc.append(t1 - t0)
             c2o.append(t2 - t1)
         self.last_write = time.monotonic()
+        wall = time.monotonic() - t0_all
+        daemons_cpu = sum(cpu_seconds(p) for p in pids) - cpu0
         return {"write_close_ms": {"p50": ms(statistics.median(wc)), "p99": ms(pct(wc, 99))},
                 "close_to_open_ms": {"p50": ms(statistics.median(c2o)),
-                                     "p99": ms(pct(c2o, 99)), "max": ms(max(c2o))}}
+                                     "p99": ms(pct(c2o, 99)), "max": ms(max(c2o))},
+                "round_trip_cost": {"daemons_cpu_ms_per_round_trip":
+                                    ms(daemons_cpu / files),
+                                    "daemons_cores": round(daemons_cpu / wall, 2),
+                                    "machine_busy_cores": round(
+                                        (machine_busy() - busy0) / wall, 2)}}
 
     def commits(self, writers: int, seconds: float, tag: str) -> dict[str, Any]:
         lead = self.leader()
@@ -574,6 +593,9 @@ def table(out: dict[str, Any]) -> str:
          lambda r: f"{r['write_close_ms']['p50']} / {r['write_close_ms']['p99']}"),
         ("close-to-open p50 / p99 (ms)",
          lambda r: f"{r['close_to_open_ms']['p50']} / {r['close_to_open_ms']['p99']}"),
+        ("close-to-open: all daemons' CPU per round trip (ms); machine busy (cores)",
+         lambda r: f"{r['round_trip_cost']['daemons_cpu_ms_per_round_trip']}; "
+                   f"{r['round_trip_cost']['machine_busy_cores']}"),
         ("closes/s (writers)", lambda r: f"{r['commits']['closes_per_s']} "
                                          f"({r['commits']['writers']})"),
         ("log entries / commands per close",
