@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -313,6 +314,28 @@ class Scale:
                                     "machine_busy_cores": round(
                                         (machine_busy() - busy0) / wall, 2)}}
 
+    def close_to_open_frozen(self, a: Mount, b: Mount, files: int, tag: str
+                             ) -> dict[str, Any]:
+        """The same round trips with every other learner stopped (SIGSTOP, for a few
+        seconds: less than membership takes to call them dead): what is left of the
+        latency once the cluster's other daemons no longer compete for the CPU."""
+        voters = set(self.voter_addrs())
+        others = [m for m in self.nodes if m is not a and m is not b
+                  and raft_addr(m) not in voters and m.proc is not None]
+        for m in others:
+            os.kill(self.pid(m), signal.SIGSTOP)
+        try:
+            r = self.close_to_open(a, b, files, f"{tag}-frozen")
+        finally:
+            for m in others:
+                os.kill(self.pid(m), signal.SIGCONT)
+        r["stopped"] = len(others)
+        return r
+
+    def voter_addrs(self) -> list[str]:
+        views = [raft_view(s) for s in self.statuses()]
+        return sorted(views[0].voters) if views and views[0] else []
+
     def commits(self, writers: int, seconds: float, tag: str) -> dict[str, Any]:
         lead = self.leader()
         lpid = self.pid(lead)
@@ -562,6 +585,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             r["idle"] = phase("idle", sc.idle, args.idle_seconds)
             a, b = sc.non_voters()[-2:]
             r.update(phase("close-to-open", sc.close_to_open, a, b, args.files, str(n)))
+            if args.c2o_frozen:
+                r["frozen"] = phase("close-to-open, the other learners stopped",
+                                    sc.close_to_open_frozen, a, b, args.c2o_frozen, str(n))
             r["commits"] = phase("commits", sc.commits, args.writers, args.seconds, str(n))
             r["cold_read_64mib"] = phase("cold read", sc.cold_read, f"cold64-{n}")
             r["s3_errors_all_nodes"] = sum(sum(st["s3"]["errors"].values())
@@ -593,6 +619,10 @@ def table(out: dict[str, Any]) -> str:
          lambda r: f"{r['write_close_ms']['p50']} / {r['write_close_ms']['p99']}"),
         ("close-to-open p50 / p99 (ms)",
          lambda r: f"{r['close_to_open_ms']['p50']} / {r['close_to_open_ms']['p99']}"),
+        ("close-to-open p50 / p99, the other learners stopped (ms)",
+         lambda r: (f"{r['frozen']['close_to_open_ms']['p50']} / "
+                    f"{r['frozen']['close_to_open_ms']['p99']} ({r['frozen']['stopped']})"
+                    if r.get("frozen") else "-")),
         ("close-to-open: all daemons' CPU per round trip (ms); machine busy (cores)",
          lambda r: f"{r['round_trip_cost']['daemons_cpu_ms_per_round_trip']}; "
                    f"{r['round_trip_cost']['machine_busy_cores']}"),
@@ -632,6 +662,8 @@ def main() -> None:
     p.add_argument("--voters", type=int, default=5,
                    help="the most voters the cluster keeps (0: every member votes)")
     p.add_argument("--files", type=int, default=50, help="close-to-open round trips")
+    p.add_argument("--c2o-frozen", type=int, default=0, metavar="FILES",
+                   help="also that many round trips with the other learners stopped")
     p.add_argument("--writers", type=int, default=2, help="writer threads per node")
     p.add_argument("--seconds", type=float, default=8.0, help="commit phase length")
     p.add_argument("--idle-seconds", type=float, default=10.0)
