@@ -400,8 +400,12 @@ class LocalFiles:
             try:
                 await self._charge(lf, lf.size)  # the copy's bytes (the blob has its own)
                 if lf.linked is not None:
-                    await lf.linked()
-                    lf.linked = None
+                    linked = lf.linked
+                    await linked()
+                    if lf.linked is linked:
+                        # (a close may have sealed the file again meanwhile: that blob's
+                        # detach is the loop's next)
+                        lf.linked = None
                     continue
                 # copy_file_range (reflinked or in-kernel), in a thread: a checkpoint
                 # rewritten after close may be gigabytes.

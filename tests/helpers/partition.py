@@ -183,8 +183,9 @@ class Result:
                 f"({c.get('acked_writes', 0)} writes acknowledged, {c.get('eio', 0)} EIO, "
                 f"{c.get('indeterminate', 0)} indeterminate, "
                 f"{c.get('stale_reads_cut_off', 0)} stale reads on cut-off nodes, "
-                f"{c.get('stale_reads_no_leader', 0)} on nodes cut off from the leader), "
-                f"{len(self.errors)} violations")
+                f"{c.get('stale_reads_no_leader', 0)} on nodes cut off from the leader; "
+                f"{c.get('cut_short_finals', 0)} registers left empty or a prefix by a "
+                f"write cut short), {len(self.errors)} violations")
 
 
 class Timeline:
@@ -649,6 +650,9 @@ def check(res: Result, nodes: list[Mount], s3: Any, bucket: str, timeline: Timel
             seen["s3"] = f"error {e}"
         if len(set(seen.values())) != 1:
             res.errors.append(f"{key} differs: {seen}")
+        if seen.get("s3", "").startswith(("empty", "prefix:")):
+            # (allowed after a write cut short: counted, to see how often the rule is used)
+            res.counts["cut_short_finals"] = res.counts.get("cut_short_finals", 0) + 1
         for where, v in seen.items():
             why = _allowed_final(v, writes.get(key, []))
             if why:

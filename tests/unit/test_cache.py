@@ -289,3 +289,29 @@ print(before, anon())
                          check=True, timeout=60).stdout.split()
     before, after = int(out[0]), int(out[1])
     assert after - before < 6, (before, after)
+
+
+async def test_a_truncate_waiting_on_a_blobs_detach_detaches_the_next_linked_blob(
+        tmp_path):  # type: ignore
+    """`unshare` waits for the linked blob's detach; a close that seals the working copy
+    again meanwhile (the RELEASE of the kernel's last writer) links another blob to it.
+    That one must get its own file too before the truncate: it was dropped, and the
+    truncate shortened the new blob's file under it (a peer then pulled 4 of its 10 bytes
+    and routed around a healthy node; test_truncate_and_ftruncate_update_times[cluster])."""
+    async with running(tmp_path, MemoryStore()) as (_, _, local):
+        lf = local.create("f", Attrs(0o100644, 0, 0, 0))
+        await local.write(lf, 0, b"0123456789")
+        detached: list[str] = []
+
+        async def detach_second() -> None:
+            detached.append("second")
+
+        async def detach_first() -> None:
+            await trio.sleep(0.05)  # (a copy made in a thread)
+            lf.linked = detach_second  # sealed again while we waited
+            detached.append("first")
+
+        lf.linked = detach_first
+        await local.truncate(lf, 4)
+        assert detached == ["first", "second"]
+        assert lf.linked is None
