@@ -92,12 +92,8 @@ class MemberStatus:
         return st
 
     def _recorded(self) -> list[str]:
-        """The members the Raft log records (each commits its record once per start)."""
         state = self.node.raft.state
-        if state is None:
-            return []
-        with state.lock:
-            return sorted(state.members)
+        return state.member_ids() if state is not None else []
 
     def snapshot(self, peer_fallbacks: int, served: int) -> ClusterSnapshot | None:
         ms = self.node.membership
