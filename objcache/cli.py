@@ -410,7 +410,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         for u in pt.get("unreachable") or []:
             seen = u.get("last_seen_seconds")
             print(f"  unreachable: {u['id']} ({u['state']}, "
-                  + (f"last answered {seen:.0f}s ago)" if seen is not None else "never answered)"))
+                  + (f"last answered {seen:.0f}s ago)" if seen is not None
+                     else "no answer on record)"))
         if pt.get("raft_unreachable"):
             print(f"  raft: no connection to {', '.join(pt['raft_unreachable'])}")
     tx = st.get("transactions") or {}

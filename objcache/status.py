@@ -91,8 +91,13 @@ class MemberStatus:
         for m in st["members"]:
             m["stats"] = rows.get(m["id"])
         st["raft"] = self.node.raft.status()
-        st["partition"] = partition(st["node_id"], st["members"], st["raft"])
+        st["partition"] = partition(st["node_id"], st["members"], st["raft"],
+                                    self._recorded())
         return st
+
+    def _recorded(self) -> list[str]:
+        state = self.node.raft.state
+        return state.member_ids() if state is not None else []
 
     def snapshot(self, peer_fallbacks: int, served: int) -> ClusterSnapshot | None:
         ms = self.node.membership
@@ -109,12 +114,15 @@ class MemberStatus:
         return await self.node.client.broadcast(msg)
 
 
-def partition(me: str, members: list[dict[str, Any]], raft: dict[str, Any] | None
-              ) -> dict[str, Any]:
+def partition(me: str, members: list[dict[str, Any]], raft: dict[str, Any] | None,
+              recorded: list[str] | None = None) -> dict[str, Any]:
     """Whether this node is cut off from the majority, and from whom: the Raft members
     its member has no connection to, the cluster members it has not heard from (with how
     long ago it last did), and for how long it has been without a majority (the time
-    since the last of the members that made one answered)."""
+    since the last of the members that made one answered). Cut off, the members the Raft
+    log records (`recorded`) that membership has not reached count too: one it had only
+    heard of when the cut came is forgotten after --peer-timeout, and was missing from
+    "from whom" (test_a_failed_close_does_not_take_effect_after_the_heal, in a CI run)."""
     unreachable = [{"id": m["id"], "state": m["state"],
                     "last_seen_seconds": m.get("last_seen_seconds")}
                    for m in members if m["id"] != me and m["state"] in ("suspect", "dead")]
@@ -131,6 +139,10 @@ def partition(me: str, members: list[dict[str, Any]], raft: dict[str, Any] | Non
     if len(connected & set(others)) >= need:
         return out
     out["cut_off"] = True
+    alive = {m["id"] for m in members if m["state"] == "alive"}
+    listed = {u["id"] for u in unreachable}
+    unreachable += [{"id": n, "state": "not reached", "last_seen_seconds": None}
+                    for n in recorded or [] if n != me and n not in alive | listed]
     # Lost when the need-th most recently seen member went silent.
     seen = sorted((m.get("last_seen_seconds") for m in members
                    if m["id"] != me and m["state"] not in ("left",)

@@ -261,11 +261,7 @@ class TxnClient:
         return out + [n for n in recorded if n not in skip and ms.joining(n)]
 
     def _recorded(self) -> list[str]:
-        """The members the Raft log records (each node commits its record once per start;
-        one that leaves cleanly removes it)."""
-        st = self.state
-        with st.lock:
-            return sorted(st.members)
+        return self.state.member_ids()
 
     def _introduce(self, nodes: list[str]) -> None:
         """Tell our membership the addresses the Raft log records for those of `nodes` it

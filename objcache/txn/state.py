@@ -42,6 +42,12 @@ class ClusterState:
         # Raft applies on its own thread while trio reads: one lock around both.
         self.lock = threading.Lock()
 
+    def member_ids(self) -> list[str]:
+        """The members the log records (each commits its record once per start; one that
+        leaves cleanly removes it)."""
+        with self.lock:
+            return sorted(self.members)
+
     def __getstate__(self) -> dict[str, Any]:  # Raft snapshots pickle the state
         with self.lock:
             d = dict(self.__dict__)

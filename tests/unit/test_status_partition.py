@@ -1,6 +1,8 @@
-"""`objcache status`'s "cut off from the majority" (objcache/status.py, `partition`): a
-voter needs half of the other voters with its own vote; a learner, which has no vote,
-needs a majority of the voters (it reached 2 of 5 and was shown as connected)."""
+"""`objcache status`'s partition view (objcache/status.py, `partition`): a voter needs
+half of the other voters with its own vote; a learner, which has no vote, needs a majority
+of the voters (it reached 2 of 5 and was shown as connected). Cut off, it names every
+member it cannot reach, also one membership had only heard of when the cut came (and has
+forgotten since)."""
 
 from __future__ import annotations
 
@@ -37,3 +39,22 @@ def test_a_learner_reaching_two_of_five_voters_is_cut_off() -> None:
 def test_a_learner_reaching_three_of_five_voters_is_not_cut_off() -> None:
     raft = {"members": VOTERS, "self": "10.0.0.9:2", "connected": VOTERS[:3]}
     assert not partition("n9", _members("n9", {}), raft)["cut_off"]
+
+RAFT = {"members": ["r0", "r1", "r2"], "self": "r0", "connected": []}
+
+
+def test_a_recorded_member_membership_never_reached_is_named_when_cut_off() -> None:
+    members = [{"id": "n0", "state": "alive", "last_seen_seconds": 0.0},
+               {"id": "n1", "state": "dead", "last_seen_seconds": 16.2}]
+    pt = partition("n0", members, RAFT, recorded=["n0", "n1", "n2"])
+    assert pt["cut_off"]
+    assert [u["id"] for u in pt["unreachable"]] == ["n1", "n2"]
+    assert pt["unreachable"][1]["state"] == "not reached"
+
+
+def test_a_node_of_the_majority_lists_only_what_membership_says() -> None:
+    members = [{"id": "n0", "state": "alive", "last_seen_seconds": 0.0},
+               {"id": "n1", "state": "alive", "last_seen_seconds": 0.2}]
+    raft = dict(RAFT, connected=["r1", "r2"])
+    pt = partition("n0", members, raft, recorded=["n0", "n1", "n2"])
+    assert not pt["cut_off"] and pt["unreachable"] == []
