@@ -404,9 +404,15 @@ def test_a_writer_open_here_while_another_node_replaces_the_file(cluster, mode):
         (b.mnt / "f.bin").write_bytes(two)
         got = (a.mnt / "f.bin").read_bytes()
         assert got == two, f"read {len(got)} bytes, {'the old version' if got == one else '?'}"
+        # The open handle still has the old version's copy: what it writes and closes
+        # replaces b's version (the last close wins), on both nodes.
+        three = os.urandom(MiB)
+        assert os.pwrite(w2, three, 0) == len(three)
     finally:
         os.close(w2)
-    assert (a.mnt / "f.bin").read_bytes() == two
+    want = three + one[MiB:]
+    assert (a.mnt / "f.bin").read_bytes() == want
+    assert (b.mnt / "f.bin").read_bytes() == want
 
 
 def test_a_mapping_written_after_close_reaches_s3(s3, bucket, mount, mode):  # type: ignore
