@@ -1568,6 +1568,16 @@ class Filesystem:
         still dirty): then the inode shows that newer entry and `lf` is set aside, or
         this node went on showing its own older bytes (the partition nemesis: one node
         disagreed with the others and S3 for good)."""
+        if inode.detached:
+            # A handle of an inode that left the name (it kept a version another node
+            # replaced) committed: the inode the name has now shows the newest entry.
+            named = self._by_key(lf.key)
+            if named is not None and not named.is_dir:
+                cur = self.backend.entry(lf.key)
+                self._show(named, cur if isinstance(cur, FileEntry) and cur.ver > e.ver
+                           else e)
+                self.notify.inode(named.ino)
+            return
         cur = self.backend.entry(inode.key)
         if (isinstance(cur, FileEntry) and cur.ver > e.ver and not inode.detached
                 and cur.content != e.content):
@@ -1957,6 +1967,13 @@ class Filesystem:
         old = inode.overlay
         if isinstance(old, FileEntry) and old.content == e.content:
             return False  # an attribute change: same bytes
+        b = inode.backed
+        if b is not None and (b.lf is None or b.lf.aside or b.lf.removed):
+            # The kernel serves every open of the inode from one backing file, and that
+            # one holds the version the open handles have (a working copy set aside, a
+            # cached object version): a new open sharing it would read old bytes, and one
+            # the daemon serves cannot be mixed with it.
+            return True
         return any(h.inode is inode and h.lf is None for h in self.handles.values())
 
     def _gone(self, inode: Inode) -> None:
