@@ -1568,16 +1568,6 @@ class Filesystem:
         still dirty): then the inode shows that newer entry and `lf` is set aside, or
         this node went on showing its own older bytes (the partition nemesis: one node
         disagreed with the others and S3 for good)."""
-        if inode.detached:
-            # A handle of an inode that left the name (it kept a version another node
-            # replaced) committed: the inode the name has now shows the newest entry.
-            named = self._by_key(lf.key)
-            if named is not None and not named.is_dir:
-                cur = self.backend.entry(lf.key)
-                self._show(named, cur if isinstance(cur, FileEntry) and cur.ver > e.ver
-                           else e)
-                self.notify.inode(named.ino)
-            return
         cur = self.backend.entry(inode.key)
         if (isinstance(cur, FileEntry) and cur.ver > e.ver and not inode.detached
                 and cur.content != e.content):
