@@ -1957,6 +1957,13 @@ class Filesystem:
         old = inode.overlay
         if isinstance(old, FileEntry) and old.content == e.content:
             return False  # an attribute change: same bytes
+        b = inode.backed
+        if b is not None and (b.lf is None or b.lf.aside or b.lf.removed):
+            # The kernel serves every open of the inode from one backing file, and that
+            # one holds the version the open handles have (a working copy set aside, a
+            # cached object version): a new open sharing it would read old bytes, and one
+            # the daemon serves cannot be mixed with it.
+            return True
         return any(h.inode is inode and h.lf is None for h in self.handles.values())
 
     def _gone(self, inode: Inode) -> None:

@@ -384,6 +384,37 @@ def test_two_nodes(s3, bucket, cluster, mode):  # type: ignore
             time.sleep(0.2)
 
 
+def test_a_writer_open_here_while_another_node_replaces_the_file(cluster, mode):  # type: ignore
+    """A handle open for writing keeps this node's closed working copy while another node
+    commits a new version: the next open here reads that version (close-to-open), not the
+    working copy the open handle has (in passthrough mode the kernel serves every open of
+    an inode from one backing file, and that handle's file is the old version's)."""
+    a = cluster.add(*MODES[mode])
+    b = cluster.add(*MODES[mode])
+    cluster.wait_raft([a, b], 2)
+    one = os.urandom(3 * MiB)
+    w1 = os.open(a.mnt / "f.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with open(w1, "wb", closefd=False) as f:
+        f.write(one)
+    w2 = os.open(a.mnt / "f.bin", os.O_RDWR)
+    os.close(w1)  # commits `one`; w2 keeps the working copy open, unchanged
+    try:
+        assert (b.mnt / "f.bin").read_bytes() == one
+        two = os.urandom(2 * MiB)
+        (b.mnt / "f.bin").write_bytes(two)
+        got = (a.mnt / "f.bin").read_bytes()
+        assert got == two, f"read {len(got)} bytes, {'the old version' if got == one else '?'}"
+        # The open handle still has the old version's copy: what it writes and closes
+        # replaces b's version (the last close wins), on both nodes.
+        three = os.urandom(MiB)
+        assert os.pwrite(w2, three, 0) == len(three)
+    finally:
+        os.close(w2)
+    want = three + one[MiB:]
+    assert (a.mnt / "f.bin").read_bytes() == want
+    assert (b.mnt / "f.bin").read_bytes() == want
+
+
 def test_a_mapping_written_after_close_reaches_s3(s3, bucket, mount, mode):  # type: ignore
     m = mount(*MODES[mode], "--writeback-delay", "0.5")
     (m.mnt / "map.bin").write_bytes(b"\0" * MiB)
