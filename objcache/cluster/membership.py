@@ -30,6 +30,15 @@ again every few periods (one at a time) and come back when they answer; they are
 after 10 minutes. A request that fails marks its member suspect here at once (routing
 around it) and has it probed first in the next period.
 
+Alive is not the same as reachable from here. A member that others reach (the indirect
+probe answers) but that has not answered this node directly for half of --peer-timeout has
+lost its path from here (a one-way or partial partition): requests from this node to it
+would wait on a path that drops them (a close's replication waited 19 s that way in a
+partition campaign, seed 1609). This node then routes around it, and gives up on what
+waits on it, until it answers this node again; it stays on every ring and nothing is
+gossiped, since the others reach it. A request it sends us does not count: the way back
+may be the lost one.
+
 Views can differ for a few periods. That is safe here: chunks are immutable (named by
 ETag), any node can serve any chunk, and placement only decides who caches what; the
 Raft group (objcache.cluster.raftgroup) decides who owns inodes and dirty data.
@@ -135,6 +144,10 @@ class Membership:
         self.members: dict[str, Member] = {}
         self.suspects: set[str] = set()
         self._suspect_since: dict[str, float] = {}
+        # members others reach and we do not: since when our direct pings go unanswered,
+        # and those we route around for it
+        self._direct_miss: dict[str, float] = {}
+        self._unreachable_here: set[str] = set()
         self.ring = Ring({me.id: me.capacity})
         self.history: list[tuple[float, Ring]] = []
         self.changes = 0
@@ -201,6 +214,26 @@ class Membership:
     def _clear_suspicion(self, node: str) -> None:
         self.suspects.discard(node)
         self._suspect_since.pop(node, None)
+        self._unreachable_here.discard(node)
+
+    def _path_lost(self, m: Member) -> None:
+        """`m` answered an indirect probe, not ours: after half of --peer-timeout of that,
+        route around it here (the path from us to it is lost); before, ask it again in
+        the next period (one lost ping is not a lost path: on a busy machine a ping
+        can miss its half period)."""
+        now = self.clock()
+        first = self._direct_miss.setdefault(m.id, now)
+        if now - first >= self.timeout / 2:
+            if m.id not in self._unreachable_here:
+                log.warning("peer %s (%s) answers others but not this node for %.1fs: "
+                            "routing around it here until it answers us", m.id, m.addr,
+                            now - first)
+            self._unreachable_here.add(m.id)
+            self.suspect(m.id)
+        elif m.id in self.suspects and m.id not in self._unreachable_here:
+            self._clear_suspicion(m.id)  # (a failed request's suspicion: others reach it)
+        if m.id not in self._urgent:
+            self._urgent.append(m.id)
 
     def _rebuild(self) -> None:
         alive = {m.id: m.capacity for m in self.members.values() if m.state == ALIVE}
@@ -331,8 +364,9 @@ class Membership:
             m.state, m.state_since = state, time.time()
         return m
 
-    def _heard_from(self, rec: Any) -> Member:
-        """A member answered us or called us directly: it is alive."""
+    def _heard_from(self, rec: Any, replied: bool = True) -> Member:
+        """A member answered us (`replied`) or called us directly: it is alive. Only an
+        answer shows that the path from us to it works."""
         new = parse_record(rec)
         if new.id == self.me.id:
             raise PeerError(f"a peer at {new.addr} claims our node id {new.id!r}")
@@ -350,10 +384,15 @@ class Membership:
         if m.state != ALIVE:
             log.info("peer %s (%s) is answering again", m.id, m.addr)
             m.state, m.state_since = ALIVE, time.time()
-        elif was == ALIVE and m.id in self.suspects:
+        elif was == ALIVE and m.id in self.suspects and (
+                replied or m.id not in self._unreachable_here):
             log.info("peer %s (%s) is answering again", m.id, m.addr)
         m.last_ok = self.clock()
-        self._clear_suspicion(m.id)
+        if replied:
+            self._direct_miss.pop(m.id, None)
+            self._clear_suspicion(m.id)
+        elif m.id not in self._unreachable_here:
+            self._clear_suspicion(m.id)
         self._rebuild()
         return m
 
@@ -364,7 +403,9 @@ class Membership:
             return ALIVE
         if m.state in (DEAD, LEFT):
             return m.state
-        return "suspect" if node in self.suspects else ALIVE
+        # (one we route around only because our path to it is lost is alive everywhere:
+        # nothing for it to refute)
+        return "suspect" if node in self.suspects - self._unreachable_here else ALIVE
 
     def hear_of(self, node: str, addr: str, capacity: int) -> bool:
         """A member known from elsewhere (the Raft log's member records) that we have not
@@ -407,7 +448,7 @@ class Membership:
                 return {"error": Conflict.code,
                         "msg": f"node id {peer!r} is already used by the member at {old.addr}"}
             thought = self._what_we_think(peer)
-            self._heard_from(rec)
+            self._heard_from(rec, replied=False)
             self._news(msg.get("gossip", []))
             if msg.get("thought") in ("suspect", DEAD):
                 self._refute(self.me.seq)
@@ -565,6 +606,7 @@ class Membership:
         for m in list(self.members.values()):
             if m.state in (DEAD, LEFT) and time.time() - m.state_since > FORGET_DEAD_SECONDS:
                 del self.members[m.id]
+                self._direct_miss.pop(m.id, None)
             elif m.state == JOINING and now - m.last_ok > self.timeout:
                 del self.members[m.id]  # heard of, never reached
 
@@ -607,11 +649,13 @@ class Membership:
             if helpers:
                 ok = await self._indirect(m, random.sample(helpers, min(INDIRECT,
                                                                         len(helpers))))
+            if self.members.get(m.id) is not m or m.state != ALIVE:
+                return
             if ok:
                 m.last_ok = self.clock()
-                self._clear_suspicion(m.id)
-            elif (self.members.get(m.id) is m and m.state == ALIVE
-                  and m.id not in self.suspects):
+                self._path_lost(m)
+            elif m.id not in self.suspects or m.id in self._unreachable_here:
+                self._unreachable_here.discard(m.id)
                 self.suspect(m.id)
                 self._spread("suspect", m)
         finally:

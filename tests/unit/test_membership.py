@@ -41,6 +41,7 @@ class Net:
     def __init__(self) -> None:
         self.nodes: dict[str, Membership] = {}
         self.down: set[str] = set()
+        self.lost: set[tuple[str, str]] = set()  # (from, to): what one sends the other is lost
         self.sent: dict[str, int] = {}
 
     def pool(self, node: str) -> Pool:
@@ -58,8 +59,14 @@ class Pool:
         if target is None or addr in self.net.down or self.node in self.net.down:
             await trio.sleep(timeout)
             raise PeerError(f"peer {addr} did not answer {msg.get('op')!r}")
+        if (self.node, addr) in self.net.lost:
+            await trio.sleep(timeout)
+            raise PeerError(f"peer {addr} did not answer {msg.get('op')!r}")
         await trio.sleep(0.001)
         reply = await target.handle(self.node, msg)
+        if (addr, self.node) in self.net.lost:  # it got the request; its answer is lost
+            await trio.sleep(timeout)
+            raise PeerError(f"peer {addr} did not answer {msg.get('op')!r}")
         if "error" in reply:
             raise PeerError(reply["msg"])
         return reply, None
@@ -196,3 +203,35 @@ async def test_a_dead_member_is_not_revived_by_hearsay(autojump_clock: Any) -> N
     watcher._news([[ALIVE, stale]])  # an old "alive" from a node that did not hear yet
     assert watcher.members[victim.me.id].state == DEAD
     assert victim.me.id not in alive_view(watcher)
+
+
+async def test_a_member_others_reach_but_this_node_does_not_is_routed_around_here(
+        autojump_clock: Any) -> None:
+    """A one-way partition (what a sends b is lost): the indirect probes say b is alive,
+    and it is, but a request from a to b would wait on a path that drops it (a close's
+    replication waited 19 s that way, partition campaign seed 1609). a routes around b,
+    giving up on what waits on it, until b answers a again; b stays on every ring, and no
+    other node routes around it."""
+    net = Net()
+    gave_up: list[tuple[str, float]] = []
+    async with trio.open_nursery() as nursery:
+        nodes = await start(net, nursery, 6)
+        a, b = nodes[1], nodes[2]
+        a.on_suspect = lambda node: gave_up.append((node, trio.current_time()))
+        await until(lambda: all(alive_view(m) == set(net.nodes) for m in nodes), 60)
+        net.lost.add((a.me.id, b.me.id))
+        t0 = trio.current_time()
+        took = await until(lambda: b.me.id in a.suspects, 30, step=0.1)
+        assert took < 2 * TIMEOUT, took
+        assert [n for n, _ in gave_up] == [b.me.id]
+        await trio.sleep(10)  # 10 periods of it
+        assert b.me.id in a.suspects  # still routed around: b never answered a
+        assert all(a.owner(f"k{i}") != b.me.id for i in range(100))
+        assert a.me.id in b.suspects  # (b's requests reach a, a's answers do not)
+        assert all(b.me.id in alive_view(m) for m in nodes)  # alive everywhere
+        assert not any(b.me.id in m.suspects for m in nodes if m not in (a, b))
+        net.lost.clear()
+        back = await until(lambda: b.me.id not in a.suspects, 30, step=0.1)
+        nursery.cancel_scope.cancel()
+    assert back < 3 * a.interval, back
+    assert trio.current_time() - t0 > 10
