@@ -390,8 +390,7 @@ class Membership:
         m.last_ok = self.clock()
         if replied:
             self._direct_miss.pop(m.id, None)
-            self._clear_suspicion(m.id)
-        elif m.id not in self._unreachable_here:
+        if replied or m.id not in self._unreachable_here:
             self._clear_suspicion(m.id)
         self._rebuild()
         return m

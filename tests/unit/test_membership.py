@@ -57,19 +57,22 @@ class Pool:
         self.net.sent[self.node] = self.net.sent.get(self.node, 0) + 1
         target = self.net.nodes.get(addr)
         if target is None or addr in self.net.down or self.node in self.net.down:
-            await trio.sleep(timeout)
-            raise PeerError(f"peer {addr} did not answer {msg.get('op')!r}")
+            await _unanswered(addr, msg, timeout)
         if (self.node, addr) in self.net.lost:
-            await trio.sleep(timeout)
-            raise PeerError(f"peer {addr} did not answer {msg.get('op')!r}")
+            await _unanswered(addr, msg, timeout)
         await trio.sleep(0.001)
         reply = await target.handle(self.node, msg)
         if (addr, self.node) in self.net.lost:  # it got the request; its answer is lost
-            await trio.sleep(timeout)
-            raise PeerError(f"peer {addr} did not answer {msg.get('op')!r}")
+            await _unanswered(addr, msg, timeout)
         if "error" in reply:
             raise PeerError(reply["msg"])
         return reply, None
+
+
+async def _unanswered(addr: str, msg: dict[str, Any], timeout: float) -> None:
+    """The caller's wait for an answer that never comes."""
+    await trio.sleep(timeout)
+    raise PeerError(f"peer {addr} did not answer {msg.get('op')!r}")
 
 
 def make(net: Net, i: int, seeds: list[str]) -> Membership:
@@ -213,17 +216,16 @@ async def test_a_member_others_reach_but_this_node_does_not_is_routed_around_her
     giving up on what waits on it, until b answers a again; b stays on every ring, and no
     other node routes around it."""
     net = Net()
-    gave_up: list[tuple[str, float]] = []
+    gave_up: list[str] = []
     async with trio.open_nursery() as nursery:
         nodes = await start(net, nursery, 6)
         a, b = nodes[1], nodes[2]
-        a.on_suspect = lambda node: gave_up.append((node, trio.current_time()))
+        a.on_suspect = gave_up.append
         await until(lambda: all(alive_view(m) == set(net.nodes) for m in nodes), 60)
         net.lost.add((a.me.id, b.me.id))
-        t0 = trio.current_time()
         took = await until(lambda: b.me.id in a.suspects, 30, step=0.1)
         assert took < 2 * TIMEOUT, took
-        assert [n for n, _ in gave_up] == [b.me.id]
+        assert gave_up == [b.me.id]
         await trio.sleep(10)  # 10 periods of it
         assert b.me.id in a.suspects  # still routed around: b never answered a
         assert all(a.owner(f"k{i}") != b.me.id for i in range(100))
@@ -234,4 +236,3 @@ async def test_a_member_others_reach_but_this_node_does_not_is_routed_around_her
         back = await until(lambda: b.me.id not in a.suspects, 30, step=0.1)
         nursery.cancel_scope.cancel()
     assert back < 3 * a.interval, back
-    assert trio.current_time() - t0 > 10
