@@ -40,6 +40,7 @@ from objcache.raft.node import (
     Applied,
     Batcher,
     Feed,
+    FeedHeader,
     StateMachine,
     apply_entry,
     pack,
@@ -237,6 +238,9 @@ class Learner:
 
     def members(self) -> list[str]:
         return sorted(self.voters)
+
+    def feed_header(self) -> FeedHeader:
+        return FeedHeader(self.members(), self.leader, self.term, self.commit)
 
     def status(self) -> dict[str, Any]:
         source = self.membership.members.get(self.source or "")

@@ -772,9 +772,9 @@ class RaftGroup(Generic[T]):
         return {**self._feed_header(cur), "through": through, "data": len(data)}, data
 
     def _feed_header(self, cur: RaftMember) -> dict[str, Any]:
-        st = cur.status()
-        return {"voters": cur.members(), "leader": st.get("leader"), "group": self.group,
-                "term": st.get("term") or 0, "commit": st.get("commit_index") or 0}
+        h = cur.feed_header()
+        return {"voters": h.voters, "leader": h.leader, "group": self.group,
+                "term": h.term, "commit": h.commit}
 
     def _snapshot_reply(self, cur: RaftMember) -> Reply:
         blob, index = cur.snapshot()

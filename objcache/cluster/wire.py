@@ -42,6 +42,7 @@ MAX_HANDSHAKE_MSG = 1024  # before authentication nothing bigger is accepted
 MAX_MSG = 24 << 20
 NONCE_BYTES = 32
 RECV_SIZE = 256 << 10
+ONE_SEND = 64 << 10  # a DATA frame up to this size goes out with its MSG frame, copied
 
 
 class FrameStream:
@@ -69,7 +70,13 @@ class FrameStream:
         if data is None:
             await self.stream.send_all(out)
             return
-        await self.stream.send_all(out + HEADER.pack(KIND_DATA, len(data)))
+        out += HEADER.pack(KIND_DATA, len(data))
+        if len(data) <= ONE_SEND:
+            # one segment, not two: a voter sends every entry to each of its learners,
+            # and on loopback each send also runs the receiver's TCP path
+            await self.stream.send_all(out + data)
+            return
+        await self.stream.send_all(out)
         await self.stream.send_all(data)
 
     # -- receiving ------------------------------------------------------------------------

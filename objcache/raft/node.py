@@ -208,6 +208,16 @@ class Feed:
             return out
 
 
+@dataclass(frozen=True)
+class FeedHeader:
+    """The group as a member that feeds learners sees it (objcache.cluster.learner)."""
+
+    voters: list[str]
+    leader: str | None
+    term: int
+    commit: int
+
+
 def _nothing() -> None:
     pass
 
@@ -462,9 +472,17 @@ class RaftNode:
 
     def members(self) -> list[str]:
         """The Raft group as this node's log has it (itself included)."""
-        st = self._replica.getStatus()
-        prefix = "partner_node_status_server_"
-        return sorted([self.addr] + [k[len(prefix):] for k in st if k.startswith(prefix)])
+        # (pysyncobj's getStatus builds a dict of every partner's indexes: this is asked
+        # for every feed answer)
+        return sorted([self.addr, *(n.id for n in self._replica.otherNodes)])
+
+    def feed_header(self) -> FeedHeader:
+        """What a feed answer tells the learner about the group, without a full status:
+        a voter answers several learners for every entry."""
+        r = self._replica
+        leader = r._getLeader()
+        return FeedHeader(self.members(), None if leader is None else str(leader),
+                          int(r.raftCurrentTerm or 0), int(r.raftCommitIndex or 0))
 
     async def add_member(self, addr: str, timeout: float = 10.0) -> None:
         """Add a node to the group (one change at a time, through the log)."""
