@@ -289,6 +289,7 @@ class Scale:
         # (what the round trips cost the whole cluster: on 2 cores, every daemon applying
         # every entry can make the round trip wait for CPU, not for the network)
         pids = [self.pid(m) for m in self.mounts if m.proc is not None]
+        v0 = raft_view(status(self.leader()))
         cpu0, busy0, t0_all = sum(cpu_seconds(p) for p in pids), machine_busy(), time.monotonic()
         for i in range(files):
             t0 = time.perf_counter()
@@ -305,10 +306,17 @@ class Scale:
         self.last_write = time.monotonic()
         wall = time.monotonic() - t0_all
         daemons_cpu = sum(cpu_seconds(p) for p in pids) - cpu0
+        # (every entry is applied by every member; a learner also gets each one in an answer
+        # to its feed request)
+        v1 = raft_view(status(self.leader()))
+        per_trip = (None if v0 is None or v1 is None else
+                    [round((v1.commit - v0.commit) / files, 2),
+                     round((v1.commands - v0.commands) / files, 2)])
         return {"write_close_ms": {"p50": ms(statistics.median(wc)), "p99": ms(pct(wc, 99))},
                 "close_to_open_ms": {"p50": ms(statistics.median(c2o)),
                                      "p99": ms(pct(c2o, 99)), "max": ms(max(c2o))},
-                "round_trip_cost": {"daemons_cpu_ms_per_round_trip":
+                "round_trip_cost": {"log_entries_commands": per_trip,
+                                    "daemons_cpu_ms_per_round_trip":
                                     ms(daemons_cpu / files),
                                     "daemons_cores": round(daemons_cpu / wall, 2),
                                     "machine_busy_cores": round(
@@ -626,6 +634,9 @@ def table(out: dict[str, Any]) -> str:
         ("close-to-open: all daemons' CPU per round trip (ms); machine busy (cores)",
          lambda r: f"{r['round_trip_cost']['daemons_cpu_ms_per_round_trip']}; "
                    f"{r['round_trip_cost']['machine_busy_cores']}"),
+        ("close-to-open: log entries / commands per round trip",
+         lambda r: " / ".join(str(x) for x in
+                              r["round_trip_cost"].get("log_entries_commands") or ["-"])),
         ("closes/s (writers)", lambda r: f"{r['commits']['closes_per_s']} "
                                          f"({r['commits']['writers']})"),
         ("log entries / commands per close",
