@@ -64,3 +64,25 @@ async def test_a_command_without_a_leader_never_applies_later(tmp_path: Path) ->
     finally:
         for node in made:
             node.destroy()
+
+
+async def test_a_feed_header_says_what_the_full_status_says(tmp_path: Path) -> None:
+    """A voter answers each of its learners with a header read from pysyncobj's fields
+    directly (a full status rebuilds every partner's indexes): the same leader, term,
+    commit index and members."""
+    addr = f"127.0.0.1:{free_port()}"
+    node = RaftNode(addr, [addr], tmp_path / "m0", "k" * 32, Log())
+    try:
+        with trio.fail_after(20):
+            while True:
+                try:
+                    await node.submit({"name": "one"}, timeout=2.0)
+                    break
+                except NoQuorum:
+                    await trio.sleep(0.1)
+        h, st = node.feed_header(), node.status()
+        assert h.voters == node.members() == [addr]
+        assert (h.leader, h.term, h.commit) == (st["leader"], st["term"], st["commit_index"])
+        assert h.leader == addr and h.term >= 1 and h.commit >= 2
+    finally:
+        node.destroy()
