@@ -67,6 +67,10 @@ HISTORY_SECONDS = 600.0  # how long a previous owner is asked for chunks after a
 HISTORY_RINGS = 4
 FORGET_DEAD_SECONDS = 600.0
 SEED_RETRY_SECONDS = 5.0
+# A node starting without a Raft log waits this long for one of its seeds to answer
+# before it forms a cluster of its own, trying them again every JOIN_RETRY_SECONDS.
+JOIN_PATIENCE = 5.0
+JOIN_RETRY_SECONDS = 0.25
 INDIRECT = 3  # members asked to probe a member that did not answer
 PIGGYBACK = 8  # updates carried by one message
 RETRANSMIT = 3  # an update is sent about RETRANSMIT * log2(N + 1) times
@@ -522,22 +526,30 @@ class Membership:
         random.shuffle(out)
         return out
 
-    async def join(self) -> None:
-        """Join through the seed peers; with none reachable, form a new cluster."""
-        errors: list[str] = []
-        for addr in await self._expand_seeds():
-            try:
-                await self._join_one(addr)
-            except AuthError as e:
-                raise UserError(f"cluster secret rejected by peer {addr}: every node needs "
-                                "the same --cluster-secret-file") from e
-            except PeerError as e:
-                if isinstance(e, Conflict):
-                    raise UserError(f"cannot join through {addr}: {e}") from e
-                errors.append(str(e))
-                continue
-            log.info("joined the cluster through %s: %d members", addr, len(self.ring))
-            return
+    async def join(self, patience: float = 0.0) -> None:
+        """Join through the seed peers; while none answers, try them again for `patience`
+        seconds, then form a new cluster. (Members started together: a seed started a
+        moment after us does not listen yet. Forming at once made a second Raft group,
+        which a member joining through us followed: two namespaces.)"""
+        deadline = self.clock() + patience
+        while True:
+            errors: list[str] = []
+            for addr in await self._expand_seeds():
+                try:
+                    await self._join_one(addr)
+                except AuthError as e:
+                    raise UserError(f"cluster secret rejected by peer {addr}: every node "
+                                    "needs the same --cluster-secret-file") from e
+                except PeerError as e:
+                    if isinstance(e, Conflict):
+                        raise UserError(f"cannot join through {addr}: {e}") from e
+                    errors.append(str(e))
+                    continue
+                log.info("joined the cluster through %s: %d members", addr, len(self.ring))
+                return
+            if not self.seeds or self.clock() >= deadline:
+                break
+            await trio.sleep(JOIN_RETRY_SECONDS)
         if self.seeds:
             log.warning("no peer reachable (%s); forming a new cluster",
                         "; ".join(errors))

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import trio
 
 from objcache.cluster.client import Inflight, PeerClient
-from objcache.cluster.membership import Member, Membership
+from objcache.cluster.membership import JOIN_PATIENCE, Member, Membership
 from objcache.cluster.peers import Handler, PeerPool, PeerServer, Reply, split_addr
 from objcache.cluster.placement import ChunkPlacement
 from objcache.cluster.raftgroup import RaftGroup
@@ -123,7 +123,9 @@ class ClusterNode:
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         await nursery.start(trio.serve_listeners, server.serve_one, [listener])
         await nursery.start(self.placement.run)
-        await self.membership.join()
+        # (a member with a Raft log of its own is in its group whoever answers: it
+        # starts at once)
+        await self.membership.join(0.0 if self.raft.has_log() else JOIN_PATIENCE)
         nursery.start_soon(self.membership.run)
         await self.raft.start(nursery)
 

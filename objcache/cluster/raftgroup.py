@@ -210,8 +210,12 @@ class RaftGroup(Generic[T]):
             await trio.sleep(0.2)
         return False
 
+    def has_log(self) -> bool:
+        """Whether this member was a voter before (restarted with its cache dir)."""
+        return (self.dir / "partners.json").exists()
+
     async def _enter_group(self) -> None:
-        if (self.dir / "partners.json").exists():  # restarted with our cache dir: replay
+        if self.has_log():  # restarted with our cache dir: replay
             self._load_group()
             self._become_voter(json.loads((self.dir / "partners.json").read_text()))
             return

@@ -15,6 +15,7 @@ import trio
 
 from objcache.backend.replicated import ReplicatedBackend
 from objcache.cluster import membership
+from objcache.cluster import node as cluster_node
 from objcache.cluster.node import bind_listener, raft_address
 from objcache.config import MountConfig
 from objcache.daemon import Parts
@@ -54,6 +55,8 @@ async def test_a_close_after_an_all_at_once_restart_is_on_two_nodes(
 ) -> None:
     # The window in which the others have not retried their seeds yet, made to last.
     monkeypatch.setattr(membership, "SEED_RETRY_SECONDS", 3600.0)
+    # (and no wait for the seed at the start: here it stays down until we formed a ring)
+    monkeypatch.setattr(cluster_node, "JOIN_PATIENCE", 0.0)
     store = MemoryStore()
     secret = tmp_path / "cluster.key"
     secret.write_text(os.urandom(32).hex())
