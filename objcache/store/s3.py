@@ -125,6 +125,29 @@ def make_client(endpoint_url: str | None, region: str | None, pool: int,
     return session.client("s3", endpoint_url=endpoint_url, config=cfg)
 
 
+class _PartBody(ReadFileChunk):
+    """Exactly `length` bytes of a file from `start`, read as they are sent: what the file
+    holds, and zeros past its end (a sparse tail, or a file truncated while the part is
+    being sent). A body shorter than its Content-Length leaves S3 waiting for bytes that
+    never come: a truncate during a streaming upload held the part, and the flush that
+    waited on it, for the 30 s read timeout before its retry."""
+
+    def read(self, amount: int | None = None) -> bytes:
+        left = max(self._size - self._amount_read, 0)
+        n = left if amount is None or amount < 0 else min(left, amount)
+        data = self._fileobj.read(n)
+        self._amount_read += n
+        return data + bytes(n - len(data))
+
+
+def part_body(path: str, start: int, length: int) -> ReadFileChunk:
+    """The body of a part: streamed from the file (8 parts of 16 MiB in flight would
+    otherwise be 128 MiB of daemon memory), always `length` bytes long (_PartBody)."""
+    f = open(path, "rb")  # noqa: SIM115 (closed with the body)
+    f.seek(start)
+    return _PartBody(f, length, start + length, enable_callbacks=False)
+
+
 def _meta_args(metadata: dict[str, str] | None) -> dict[str, Any]:
     return {"Metadata": metadata} if metadata else {}
 
@@ -598,22 +621,10 @@ class S3Store:
         full = self._full(key)
 
         def fn() -> str:
-            body: Any
-            if os.stat(path).st_size >= start + length:
-                # streamed from the file: 8 parts of 16 MiB in flight would otherwise be
-                # 128 MiB of daemon memory
-                body = ReadFileChunk.from_filename(path, start, length, enable_callbacks=False)
-            else:  # a sparse tail past EOF reads as zeros
-                with open(path, "rb") as f:
-                    data = os.pread(f.fileno(), length, start)
-                body = data + bytes(length - len(data))
-            try:
+            with part_body(path, start, length) as body:
                 rr = self.client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id,
                                              PartNumber=number, Body=body,
                                              ContentLength=length)
-            finally:
-                if not isinstance(body, bytes):
-                    body.close()
             self.stats.bytes_out += length
             return str(rr["ETag"])
         return await self._call("upload_part", key, fn, self.put_limiter)

@@ -141,11 +141,12 @@ class Mount:
 
     def stop(self, grace: float = 30) -> None:
         """Teardown: lazy unmount, then end the daemon by PID (TERM, then KILL after
-        `grace` seconds)."""
+        `grace` seconds; KILL at once if `grace` is 0)."""
         if is_mounted(self.mnt):
             subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            if grace > 0:
+                self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(grace)
             except subprocess.TimeoutExpired:
@@ -173,11 +174,14 @@ def stop_on_signals() -> None:
     signal.signal(signal.SIGINT, stop)
 
 
-def stop_all(mounts: list[Mount], grace: float = 1.0) -> None:
-    """Tear mounts down at once, and briefly: a test's own assertions are done by now, and
-    daemons of a cluster stopped together cannot leave it gracefully (each waits for a
-    quorum of the others, which are leaving too); tests of draining and SIGTERM stop their
-    daemons themselves."""
+def stop_all(mounts: list[Mount], grace: float = 0.0) -> None:
+    """Tear mounts down at once: lazy unmount, then kill -9 by PID. A test's own assertions
+    are done by now, and nothing looks at what a daemon would do on SIGTERM here (drain
+    its dirty files to S3, leave the cluster: daemons of a cluster stopped together cannot
+    leave it gracefully, each waits for a quorum of the others, which are leaving too);
+    a SIGTERM with a 1 s grace cost each cluster test 1 s and the drain's CPU (33 s of
+    the suite). Tests of draining and SIGTERM stop their daemons themselves; `grace`
+    sends SIGTERM first and waits that long (benchmarks that want a clean exit)."""
     threads = [threading.Thread(target=m.stop, args=(grace,)) for m in mounts]
     for t in threads:
         t.start()

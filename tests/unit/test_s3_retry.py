@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import botocore.exceptions as bex
 import pytest
 
@@ -78,3 +80,38 @@ def test_signed_path_is_used_only_where_it_builds_the_same_requests(monkeypatch)
     assert not SignedHttp.usable(aws, "dotted.bucket")  # TLS host names break
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:3128")
     assert not SignedHttp.usable(custom, "any")  # boto3 honours proxies; we would not
+
+
+class PartClient:
+    """Takes an upload_part as a server would, reading the body to its Content-Length,
+    after `before_read` (a writer truncating the file while the part is on its way)."""
+
+    def __init__(self, before_read) -> None:  # type: ignore[no-untyped-def]
+        self.before_read = before_read
+        self.bodies: list[bytes] = []
+
+    def upload_part(self, *, Body, ContentLength, **kw):  # type: ignore[no-untyped-def]
+        self.before_read()
+        got = Body.read()
+        assert len(got) == ContentLength == len(Body), (len(got), ContentLength)
+        self.bodies.append(got)
+        return {"ETag": '"p"'}
+
+
+async def test_a_part_of_a_file_truncated_while_it_is_sent_keeps_its_length(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A part's body is always as long as it says: bytes the file no longer has (a
+    truncate below the part while it was being sent, a sparse tail) are sent as zeros.
+    (A short body left the request waiting for the read timeout, 30 s, on real S3.)"""
+    path = tmp_path / "f"
+    data = bytes(range(256)) * 8192  # 2 MiB
+    path.write_bytes(data)
+    c = PartClient(lambda: os.truncate(path, 4096))
+    s = store_with(c)  # type: ignore[arg-type]
+    assert await s.put_part("k", "u", 1, str(path), 1 << 20, 1 << 20) == '"p"'
+    assert c.bodies[0] == bytes(1 << 20)  # all of it past the new end
+    path.write_bytes(data)
+    assert await s.put_part("k", "u", 1, str(path), 0, 1 << 20) == '"p"'
+    assert c.bodies[1] == data[:4096] + bytes((1 << 20) - 4096)
+    c.before_read = lambda: None
+    assert await s.put_part("k", "u", 2, str(path), 4000, 200) == '"p"'  # a sparse tail
+    assert c.bodies[2] == data[4000:4096] + bytes(104)
