@@ -35,6 +35,17 @@ class Log:
         return {"ok": True}
 
 
+async def _submit_once_led(node: RaftNode, name: str, limit: float) -> None:
+    """Submit a command, again until the group has a leader (at most `limit` seconds)."""
+    with trio.fail_after(limit):
+        while True:
+            try:
+                await node.submit({"name": name}, timeout=2.0)
+                return
+            except NoQuorum:
+                await trio.sleep(0.1)
+
+
 async def test_a_command_without_a_leader_never_applies_later(tmp_path: Path) -> None:
     addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     made: list[RaftNode] = []
@@ -51,13 +62,7 @@ async def test_a_command_without_a_leader_never_applies_later(tmp_path: Path) ->
         assert not e.value.maybe_sent
         member(1)
         member(2)
-        with trio.fail_after(30):
-            while True:
-                try:
-                    await alone.submit({"name": "later"}, timeout=2.0)
-                    break
-                except NoQuorum:
-                    await trio.sleep(0.1)
+        await _submit_once_led(alone, "later", 30)
         await trio.sleep(1.0)  # (a queued command would be sent with the first ones)
         for node in made:
             assert "early" not in node.state.seen, node.state.seen
@@ -73,13 +78,7 @@ async def test_a_feed_header_says_what_the_full_status_says(tmp_path: Path) -> N
     addr = f"127.0.0.1:{free_port()}"
     node = RaftNode(addr, [addr], tmp_path / "m0", "k" * 32, Log())
     try:
-        with trio.fail_after(20):
-            while True:
-                try:
-                    await node.submit({"name": "one"}, timeout=2.0)
-                    break
-                except NoQuorum:
-                    await trio.sleep(0.1)
+        await _submit_once_led(node, "one", 20)
         h, st = node.feed_header(), node.status()
         assert h.voters == node.members() == [addr]
         assert (h.leader, h.term, h.commit) == (st["leader"], st["term"], st["commit_index"])
