@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.scale import rss_mb, status
+from benchmarks.scale import Writers, rss_mb, status
 from benchmarks.single_node import MiB, read_file, remove_workdir
 from tests.helpers.cluster import Cluster
 from tests.helpers.mount import Mount, stop_all
@@ -66,27 +66,10 @@ def settled(nodes: list[Mount], timeout: float = 60) -> None:
 
 
 def write_files(nodes: list[Mount], writers: int, seconds: float) -> int:
-    stop = threading.Event()
-    counts: list[int] = []
-    data = os.urandom(KiB)
-
-    def work(m: Mount, t: int) -> None:
-        d = m.mnt / f"w-{m.mnt.name}-{t}"
-        d.mkdir()
-        i = 0
-        while not stop.is_set():
-            (d / f"f{i}").write_bytes(data)
-            i += 1
-        counts.append(i)
-
-    ts = [threading.Thread(target=work, args=(m, t)) for m in nodes for t in range(writers)]
-    for t in ts:
-        t.start()
+    writing = Writers(nodes, writers, "w")
+    writing.start()
     time.sleep(seconds)
-    stop.set()
-    for t in ts:
-        t.join()
-    return sum(counts)
+    return writing.stop()
 
 
 def one(label: str, code: Path, weed: SeaweedFS, work: Path, args: argparse.Namespace

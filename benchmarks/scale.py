@@ -118,6 +118,40 @@ class RaftView:
     thread_cpu: float
 
 
+class Writers:
+    """Threads that each close 1 KiB files, one after the other, in a directory of their
+    own (PREFIX-MOUNT-THREAD) until stopped: the load of the commit measurements."""
+
+    def __init__(self, nodes: list[Mount], per_node: int, prefix: str) -> None:
+        self.stopped = threading.Event()
+        self._counts: list[int] = []
+        self._lock = threading.Lock()
+        self._data = os.urandom(KiB)
+        self.threads = [threading.Thread(target=self._work, args=(m.mnt / f"{prefix}-"
+                                                                  f"{m.mnt.name}-{t}",))
+                        for m in nodes for t in range(per_node)]
+
+    def _work(self, d: Path) -> None:
+        d.mkdir()
+        i = 0
+        while not self.stopped.is_set():
+            (d / f"f{i}").write_bytes(self._data)
+            i += 1
+        with self._lock:
+            self._counts.append(i)
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> int:
+        """Stop them; how many files they closed."""
+        self.stopped.set()
+        for t in self.threads:
+            t.join()
+        return sum(self._counts)
+
+
 def raft_view(st: dict[str, Any]) -> RaftView | None:
     r = (st.get("cluster") or {}).get("raft")
     if not r:
@@ -348,20 +382,8 @@ class Scale:
         lead = self.leader()
         lpid = self.pid(lead)
         nodes = [m for m in self.nodes if m is not lead]
-        stop = threading.Event()
-        counts: list[int] = []
-        lock = threading.Lock()
-        data = os.urandom(KiB)
-
-        def work(m: Mount, t: int) -> None:
-            d = m.mnt / f"tp-{tag}-{m.mnt.name}-{t}"
-            d.mkdir()
-            i = 0
-            while not stop.is_set():
-                (d / f"f{i}").write_bytes(data)
-                i += 1
-            with lock:
-                counts.append(i)
+        writing = Writers(nodes, writers, f"tp-{tag}")
+        stop = writing.stopped
 
         lags: list[int] = []
 
@@ -381,16 +403,12 @@ class Scale:
         npids = [self.pid(m) for m in nodes]
         all0 = [cpu_seconds(p) for p in npids]
         cpu0, raft0 = cpu_seconds(lpid), v0.thread_cpu
-        ts = [threading.Thread(target=work, args=(m, t)) for m in nodes for t in range(writers)]
         sampler = threading.Thread(target=sample)
         t0 = time.perf_counter()
-        for t in ts:
-            t.start()
+        writing.start()
         sampler.start()
         time.sleep(seconds)
-        stop.set()
-        for t in ts:
-            t.join()
+        closes = writing.stop()
         elapsed = time.perf_counter() - t0
         self.last_write = time.monotonic()
         cpu1 = cpu_seconds(lpid)
@@ -408,13 +426,12 @@ class Scale:
                 catch_up = time.perf_counter() - t1
                 break
             time.sleep(0.02)
-        closes = sum(counts)
         per_role: dict[str, list[float]] = {}
         for role, a, b in zip(roles, all0, all1, strict=True):
             per_role.setdefault(role, []).append((b - a) * 1e3 / max(1, closes))
         entries = v1.commit - v0.commit
         cmds = v1.commands - v0.commands
-        return {"writers": len(ts), "closes": closes,
+        return {"writers": len(writing.threads), "closes": closes,
                 "closes_per_s": round(closes / elapsed, 1),
                 "log_entries_per_close": round(entries / max(1, closes), 3),
                 "commands_per_close": round(cmds / max(1, closes), 3) if cmds else None,
