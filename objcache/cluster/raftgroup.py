@@ -56,6 +56,7 @@ import trio
 from objcache.cluster.learner import FEED_REPLY_BYTES, Learner
 from objcache.cluster.membership import ALIVE, DEAD, LEFT, Member
 from objcache.cluster.peers import field_int, field_str, split_addr
+from objcache.cluster.readindex import ReadIndex
 from objcache.errors import NoQuorum, PeerError, ProtocolError
 from objcache.raft.node import RaftNode, StateMachine
 
@@ -163,12 +164,14 @@ class RaftGroup(Generic[T]):
         self._token: trio.lowlevel.TrioToken | None = None
         self._trio_thread = 0
         self._nursery: trio.Nursery | None = None
+        self.reads = ReadIndex(membership, client, lambda: self._current, lambda: self.group,
+                               self.wait_applied)
 
     def routes(self) -> dict[str, Handler]:
         return {"raft_members": self._members, "raft_add": self._change,
                 "raft_remove": self._change, "raft_feed": self._feed,
                 "raft_submit": self._submit, "raft_promote": self._promote,
-                "raft_demote": self._demote_request}
+                "raft_demote": self._demote_request, **self.reads.routes()}
 
     @property
     def raft(self) -> RaftMember | None:
@@ -186,6 +189,7 @@ class RaftGroup(Generic[T]):
         self._token = trio.lowlevel.current_trio_token()
         self._trio_thread = threading.get_ident()
         self._nursery = nursery
+        self.reads.bind(nursery)
         await self._enter_group()
         nursery.start_soon(self._supervise)
         if not await self._catch_up(self.catch_up_wait):
@@ -796,4 +800,5 @@ class RaftGroup(Generic[T]):
         st["max_voters"] = self.max_voters
         st["promotions"], st["demotions"] = self.promotions, self.demotions
         st["promoting"] = self._promoting is not None
+        st["read_index"] = self.reads.status()
         return st

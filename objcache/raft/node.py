@@ -484,6 +484,28 @@ class RaftNode:
         return FeedHeader(self.members(), None if leader is None else str(leader),
                           int(r.raftCurrentTerm or 0), int(r.raftCommitIndex or 0))
 
+    def term(self) -> int:
+        return int(self._replica.raftCurrentTerm or 0)
+
+    def leading(self) -> tuple[int, int] | None:
+        """(term, commit index) while this member leads; None otherwise. pysyncobj's
+        fields, read from the trio thread: the term is read before and after, so both
+        belong to one term in which we led (a leader that steps down keeps its term but
+        stops leading; one that meets a later term changes it)."""
+        r = self._replica
+        term = r.raftCurrentTerm
+        if not r._isLeader():
+            return None
+        commit = r.raftCommitIndex
+        if r.raftCurrentTerm != term or not r._isLeader():
+            return None
+        return int(term), int(commit)
+
+    def last_command(self) -> int:
+        """The index of the last command entry applied here (0: none since the state was
+        loaded)."""
+        return self._replica.feed.last
+
     async def add_member(self, addr: str, timeout: float = 10.0) -> None:
         """Add a node to the group (one change at a time, through the log)."""
         if addr in self.members():

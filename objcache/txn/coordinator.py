@@ -11,8 +11,10 @@ from this node (`dpull`, then `dread` pieces), so when close() returns the conte
 `replicas` nodes and the entry naming them is committed.
 
 Reads that must see every earlier close on any node (open, a lookup that found nothing)
-first pass a barrier: a no-op through the log, shared by all callers that arrive while one
-is in flight. A node whose log has applied the no-op has applied everything before it.
+first pass a barrier, shared by all callers that arrive while one is in flight: the
+leader's commit index, confirmed by a majority of the voters (objcache.cluster.readindex),
+applied here; or else a no-op through the log (a node whose log has applied the no-op has
+applied everything before it).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BARRIER_TIMEOUT = 3.0
+# A read index takes milliseconds; one that has not come within this (the leader cut off,
+# a new one not yet known) leaves the rest of BARRIER_TIMEOUT to the no-op, which tries
+# again until a leader answers.
+READ_INDEX_WAIT = 0.5
 DEGRADED_FOR = 5.0  # after a failed barrier, serve from what we have applied this long
 _EMPTY = ClusterState()
 MAX_BLOB = 5 << 40
@@ -220,11 +226,15 @@ class TxnClient:
                 self._round_done = trio.Event()
 
     async def _noop(self, deadline: float) -> None:
-        """A no-op through the log, tried again until `deadline`: a leader change answers
+        """A read index from the leader (objcache.cluster.readindex: no log entry), or
+        else a no-op through the log, tried again until `deadline`: a leader change answers
         at once (LEADER_CHANGED), and the new leader is usually there well before the
         deadline; giving up at the first answer left a node of the majority serving a
         stale view for DEGRADED_FOR after a leader change elsewhere (the partition
         nemesis's close-to-open violations on connected nodes)."""
+        if await self.node.raft.reads.barrier(min(READ_INDEX_WAIT,
+                                                  deadline - time.monotonic())):
+            return
         while True:
             left = deadline - time.monotonic()
             raft = self.node.raft.raft

@@ -78,12 +78,18 @@ def test_eight_nodes_five_voters_learners_and_a_leader_killed(cluster: Cluster) 
     assert max(sum(r.values()) for r in rates) < 3.0, rates
 
     # Close-to-open from one learner to another: each read sees the bytes just closed.
+    # The reader's barriers commit nothing: the leader confirms its commit index with a
+    # majority of the voters (a read index), and the reader applies that far.
     a, b = learners[0], learners[1]
     (a.mnt / "c2o").mkdir()
+    reads0 = _raft(b)["read_index"]
     for i in range(10):
         data = os.urandom(1000 + i)
         (a.mnt / "c2o" / f"f{i}").write_bytes(data)
         assert (b.mnt / "c2o" / f"f{i}").read_bytes() == data
+    reads1 = _raft(b)["read_index"]
+    assert reads1["confirmed"] - reads0["confirmed"] >= 10, (reads0, reads1)
+    assert reads1["fallbacks"] == reads0["fallbacks"], (reads0, reads1)
 
     # kill -9 the leader: a learner keeps committing (within --txn-timeout), and one is
     # promoted so that five voters remain.

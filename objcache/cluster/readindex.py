@@ -1,0 +1,229 @@
+"""Read barriers that commit no log entry (Raft's ReadIndex, section 6.4 of Ongaro's thesis).
+
+A read that must see every close committed anywhere before it (an open, a lookup that found
+nothing, a listing) used to commit a no-op through the log and wait until this node had
+applied it. Every member applies every entry, so each barrier cost the whole cluster one
+entry: at 32 nodes, one of the four entries of a close-to-open round trip.
+
+Here the reader asks the leader instead (`raft_read_index`), and the leader answers with
+an index after two checks:
+- it has committed an entry in its current term (pysyncobj commits a no-op on election),
+  so its commit index covers every entry committed by the leaders before it. This member
+  remembers the commit index it first saw as leader of a term; only a higher one later
+  proves such a commit (pysyncobj advances a leader's commit index only with entries of
+  its own term). Until then it answers nothing and the reader commits a no-op, which is
+  that entry;
+- after the request arrived, a majority of the voters (itself included) answered
+  `raft_term` with its term. A leader of a later term needs the votes of a majority, and
+  each voter's term only grows, so at least one voter it needs had not voted for it when
+  it answered: no other leader had been elected when the request arrived, and the commit
+  index read before the round holds every write acknowledged by then.
+The answer is the index of the last command the leader has applied at or after that commit
+index (pysyncobj's own entries, no-ops and membership changes, change no state and are not
+handed to the node), and the reader waits until it has applied that far (a learner from its
+feed, a voter from its own log).
+
+Concurrent requests share a round, as concurrent barriers shared a no-op: a round that
+started after a request arrived answers it. Anything that fails (no leader known, a new
+leader, no majority within READ_ROUND_WAIT, a term that moved) answers None, and the
+caller falls back to the no-op barrier, so a fault costs what it cost before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from objcache.cluster.membership import ALIVE
+from objcache.errors import NoQuorum
+from objcache.raft.node import RaftNode
+
+if TYPE_CHECKING:
+    from objcache.cluster.client import PeerClient
+    from objcache.cluster.learner import Learner
+    from objcache.cluster.membership import Member, Membership
+    from objcache.cluster.peers import Handler, Reply
+
+log = logging.getLogger(__name__)
+
+READ_ROUND_WAIT = 0.5  # a leader waits this long for a majority to confirm its term
+TERM_ASK_TIMEOUT = 5.0  # one voter's answer (the round does not wait for all of them)
+LEADER_APPLY_WAIT = 0.5  # the leader applies what it committed within this, or no answer
+
+
+class ReadIndex:
+    """Attributes (counts for status):
+    confirmed: barriers passed with a read index.
+    fallbacks: barriers that had to commit a no-op instead.
+    served: read indexes this member answered as leader.
+    """
+
+    def __init__(self, membership: Membership, client: PeerClient,
+                 current: Callable[[], RaftNode | Learner | None], group: Callable[[], str],
+                 wait_applied: Callable[[int, float], Awaitable[None]]) -> None:
+        self.membership = membership
+        self.client = client
+        self._current = current
+        self._group = group
+        self._wait_applied = wait_applied
+        self._nursery: trio.Nursery | None = None
+        self._lead = (0, 0)  # (term, commit index first seen while leading in it)
+        self._rounds_started = 0
+        self._rounds_done = 0
+        self._round_running = False
+        self._round_done = trio.Event()
+        self._result: int | None = None
+        self.confirmed = 0
+        self.fallbacks = 0
+        self.served = 0
+
+    def bind(self, nursery: trio.Nursery) -> None:
+        """The nursery the voters' answers finish in (a round does not wait for all)."""
+        self._nursery = nursery
+
+    def routes(self) -> dict[str, Handler]:
+        return {"raft_read_index": self._serve, "raft_term": self._term}
+
+    def status(self) -> dict[str, int]:
+        return {"confirmed": self.confirmed, "fallbacks": self.fallbacks,
+                "served": self.served}
+
+    # -- the reader -----------------------------------------------------------------------
+
+    async def barrier(self, timeout: float) -> bool:
+        """Wait until this node has applied everything committed before the call, without a
+        log entry; False if that could not be done within `timeout` (commit a no-op)."""
+        deadline = trio.current_time() + timeout
+        index: int | None = None
+        with trio.move_on_at(deadline):
+            index = await self._index()
+        if index is not None:
+            try:
+                await self._wait_applied(index, deadline)
+                self.confirmed += 1
+                return True
+            except NoQuorum:
+                pass
+        self.fallbacks += 1
+        return False
+
+    async def _index(self) -> int | None:
+        cur = self._current()
+        if cur is None:
+            return None
+        if isinstance(cur, RaftNode) and cur.leading() is not None:
+            return await self._confirmed(cur)
+        leader = cur.feed_header().leader
+        m = self._member_at(leader) if leader else None
+        if m is None or m.id == self.membership.me.id:
+            return None
+        got = await self.client.call(m.id, {"op": "raft_read_index", "group": self._group()},
+                                     max_data=0, timeout=TERM_ASK_TIMEOUT)
+        index = None if got is None else got[0].get("index")
+        return index if isinstance(index, int) and not isinstance(index, bool) else None
+
+    def _member_at(self, raft_addr: str) -> Member | None:
+        for m in list(self.membership.members.values()):
+            if (m.raft == raft_addr and m.state == ALIVE
+                    and m.id not in self.membership.suspects):
+                return m
+        return None
+
+    # -- the leader -----------------------------------------------------------------------
+
+    async def _serve(self, peer: str, msg: dict[str, Any]) -> Reply:
+        cur = self._current()
+        group = msg.get("group")
+        index = None
+        if (isinstance(cur, RaftNode) and cur.leading() is not None
+                and (not isinstance(group, str) or not group or group == self._group())):
+            with trio.move_on_after(READ_ROUND_WAIT + LEADER_APPLY_WAIT):
+                index = await self._confirmed(cur)
+        if index is not None:
+            self.served += 1
+        return {"index": index}, None
+
+    async def _term(self, peer: str, msg: dict[str, Any]) -> Reply:
+        cur = self._current()
+        group = msg.get("group")
+        if not isinstance(cur, RaftNode) or (isinstance(group, str) and group
+                                             and group != self._group()):
+            return {"term": None}, None
+        return {"term": cur.term()}, None
+
+    async def _confirmed(self, node: RaftNode) -> int | None:
+        """A read index from a round that started after this call (shared by the callers
+        that arrive while one runs)."""
+        want = self._rounds_started + 1
+        while self._rounds_done < want:
+            if self._round_running:
+                await self._round_done.wait()
+                continue
+            self._round_running = True
+            self._rounds_started += 1
+            n = self._rounds_started
+            self._result = None
+            try:
+                self._result = await self._round(node)
+            finally:
+                self._rounds_done = max(self._rounds_done, n)
+                self._round_running = False
+                self._round_done.set()
+                self._round_done = trio.Event()
+        return self._result
+
+    async def _round(self, node: RaftNode) -> int | None:
+        lead = node.leading()
+        if lead is None:
+            return None
+        term, commit = lead
+        if self._lead[0] != term:
+            self._lead = (term, commit)
+            return None
+        if commit <= self._lead[1]:
+            return None  # nothing of this term committed yet (see the module docstring)
+        voters = node.members()
+        others = [a for a in voters if a != node.addr]
+        if not await self._majority_at(term, others, len(voters) // 2):
+            return None
+        with trio.move_on_after(LEADER_APPLY_WAIT):
+            while node.applied_index() < commit:
+                await trio.sleep(0.001)
+        again = node.leading()
+        if node.applied_index() < commit or again is None or again[0] != term:
+            return None
+        last = node.last_command()
+        return last if last > 0 else None
+
+    async def _majority_at(self, term: int, others: list[str], need: int) -> bool:
+        """Whether `need` of `others` answer that their term is `term`, within
+        READ_ROUND_WAIT."""
+        if need <= 0:
+            return True
+        if self._nursery is None:
+            return False
+        yes = answered = 0
+        enough = trio.Event()
+        group = self._group()
+
+        async def ask(addr: str) -> None:
+            nonlocal yes, answered
+            m = self._member_at(addr)
+            got = None
+            if m is not None:
+                got = await self.client.call(m.id, {"op": "raft_term", "group": group},
+                                             max_data=0, timeout=TERM_ASK_TIMEOUT)
+            answered += 1
+            if got is not None and got[0].get("term") == term:
+                yes += 1
+            if yes >= need or answered == len(others):
+                enough.set()
+
+        for addr in others:
+            self._nursery.start_soon(ask, addr)
+        with trio.move_on_after(READ_ROUND_WAIT):
+            await enough.wait()
+        return yes >= need

@@ -1,0 +1,145 @@
+"""The leader's side of a read barrier without a log entry (objcache/cluster/readindex.py):
+when it may answer with an index, and that concurrent readers share one confirmation
+round. The whole path (a learner reading from another learner's close) runs on real
+daemons in tests/integration/test_scale.py, and under partitions in the fault campaigns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from objcache.cluster.membership import Member
+from objcache.cluster.readindex import ReadIndex
+
+
+class FakeMembership:
+    def __init__(self) -> None:
+        self.me = Member("n0", "n0", 1, 1, raft="r0")
+        self.members = {f"n{i}": Member(f"n{i}", f"n{i}", 1, 1, raft=f"r{i}")
+                        for i in range(5)}
+        self.suspects: set[str] = set()
+
+
+class Voters:
+    """The other voters, as the leader's term round reaches them: each answers its term
+    (None: no answer) after `delay` seconds."""
+
+    def __init__(self, terms: dict[str, int | None], delay: float = 0.01) -> None:
+        self.terms = terms
+        self.delay = delay
+        self.asked = 0
+
+    async def call(self, node: str, msg: dict[str, Any], max_data: int, timeout: float
+                   ) -> tuple[dict[str, Any], None] | None:
+        assert msg["op"] == "raft_term"
+        self.asked += 1
+        await trio.sleep(self.delay)
+        term = self.terms.get(node)
+        return None if term is None else ({"term": term}, None)
+
+
+class Leader:
+    """A leading member: its term and commit index, what it applied, its last command."""
+
+    addr = "r0"
+
+    def __init__(self, term: int, commit: int) -> None:
+        self.term_now, self.commit = term, commit
+        self.applied = commit
+        self.last = commit
+
+    def leading(self) -> tuple[int, int] | None:
+        return (self.term_now, self.commit) if self.term_now else None
+
+    def members(self) -> list[str]:
+        return [f"r{i}" for i in range(5)]
+
+    def applied_index(self) -> int:
+        return self.applied
+
+    def last_command(self) -> int:
+        return self.last
+
+
+def _reads(voters: Voters) -> ReadIndex:
+    async def wait_applied(index: int, deadline: float) -> None:
+        pass
+    return ReadIndex(FakeMembership(), voters, lambda: None, lambda: "g",  # type: ignore[arg-type]
+                     wait_applied)
+
+
+async def test_a_new_leader_answers_once_it_has_committed_in_its_term() -> None:
+    voters = Voters({f"n{i}": 7 for i in range(1, 5)})
+    reads = _reads(voters)
+    leader = Leader(term=7, commit=40)
+    async with trio.open_nursery() as nursery:
+        reads.bind(nursery)
+        # Its commit index may still lack entries its predecessor committed: no answer
+        # (the reader commits a no-op, which is such an entry) until it has risen.
+        assert await reads._confirmed(leader) is None  # type: ignore[arg-type]
+        assert await reads._confirmed(leader) is None  # type: ignore[arg-type]
+        leader.commit = leader.applied = 41
+        leader.last = 41
+        assert await reads._confirmed(leader) == 41  # type: ignore[arg-type]
+        # A later term starts over.
+        leader.term_now, leader.commit = 8, 50
+        assert await reads._confirmed(leader) is None  # type: ignore[arg-type]
+
+
+async def test_no_answer_without_a_majority_of_the_voters_in_its_term() -> None:
+    # Two of four others moved to a later term, one does not answer: with the leader, two
+    # of five, not a majority (one of them may have elected another leader).
+    voters = Voters({"n1": 7, "n2": 8, "n3": 8, "n4": None})
+    reads = _reads(voters)
+    leader = Leader(term=7, commit=40)
+    async with trio.open_nursery() as nursery:
+        reads.bind(nursery)
+        await reads._confirmed(leader)  # type: ignore[arg-type]
+        leader.commit = leader.applied = leader.last = 41
+        assert await reads._confirmed(leader) is None  # type: ignore[arg-type]
+        voters.terms["n4"] = 7  # now three of five
+        assert await reads._confirmed(leader) == 41  # type: ignore[arg-type]
+
+
+async def test_the_index_covers_what_the_leader_applied_once_it_applied_its_commit() -> None:
+    voters = Voters({f"n{i}": 3 for i in range(1, 5)})
+    reads = _reads(voters)
+    leader = Leader(term=3, commit=10)
+    async with trio.open_nursery() as nursery:
+        reads.bind(nursery)
+        await reads._confirmed(leader)  # type: ignore[arg-type]
+        # Committed through 12 (the last entry is pysyncobj's own, no command), applied
+        # through 11 only: the answer waits for the leader to apply, then names its last
+        # command entry.
+        leader.commit, leader.applied, leader.last = 12, 11, 11
+
+        async def apply_later() -> None:
+            await trio.sleep(0.05)
+            leader.applied = 12
+
+        nursery.start_soon(apply_later)
+        assert await reads._confirmed(leader) == 11  # type: ignore[arg-type]
+
+
+async def test_concurrent_readers_share_a_round() -> None:
+    voters = Voters({f"n{i}": 5 for i in range(1, 5)}, delay=0.05)
+    reads = _reads(voters)
+    leader = Leader(term=5, commit=20)
+    got: list[int | None] = []
+    async with trio.open_nursery() as nursery:
+        reads.bind(nursery)
+        await reads._confirmed(leader)  # type: ignore[arg-type]
+        leader.commit = leader.applied = leader.last = 21
+        asked = voters.asked
+
+        async def reader() -> None:
+            got.append(await reads._confirmed(leader))  # type: ignore[arg-type]
+
+        async with trio.open_nursery() as readers:
+            for _ in range(20):
+                readers.start_soon(reader)
+    assert got == [21] * 20
+    # One round for the first reader, one for the 19 that arrived while it ran: two
+    # rounds of four questions, not twenty.
+    assert voters.asked - asked == 8, voters.asked - asked
