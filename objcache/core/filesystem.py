@@ -132,6 +132,10 @@ class KernelNotifier(Protocol):
 
     def attrs_now(self, ino: int) -> None: ...
 
+    async def inode_settled(self, ino: int) -> None:
+        """Return once no invalidation of `ino` sent by `inode` is on its way (bounded)."""
+        ...
+
 
 class NoNotifier:
     """No kernel to tell (the core driven without FUSE)."""
@@ -146,6 +150,9 @@ class NoNotifier:
         pass
 
     def attrs_now(self, ino: int) -> None:
+        pass
+
+    async def inode_settled(self, ino: int) -> None:
         pass
 
 
@@ -1306,6 +1313,12 @@ class Filesystem:
         passthrough backing id or 0)."""
         inode, writable = self._opening(ino, flags)
         await self.sync()  # close-to-open: every close committed anywhere before this
+        # An invalidation of this inode still on its way (a change the barrier just
+        # applied) would land while the kernel asks for the new size after our answer:
+        # the kernel drops an attribute answer that an invalidation overtook, and read
+        # the old size (0 bytes of a file just closed elsewhere: a close-to-open
+        # violation at 32 nodes).
+        await self.notify.inode_settled(inode.ino)
         lf = self._caught_up(inode)
         if self._stale_for_open(inode, lf):
             fresh = await self._revalidate(inode)

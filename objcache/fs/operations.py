@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 G = TypeVar("G", bound=Callable[..., Any])
 BLKSIZE = 1 << 20  # makes cat/cp use 1 MiB buffers (they size them from st_blksize)
+INODE_SETTLE_WAIT = 0.5  # an open waits this long for its inode's invalidations to be sent
 _QUIET_ERRNOS = {errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR,
                  errno.EINVAL, errno.ENAMETOOLONG, errno.EROFS}
 ENOATTR = errno.ENODATA
@@ -329,6 +330,8 @@ class KernelNotifier:
     def __init__(self, session: FuseSession) -> None:
         self.session = session
         self.active = False
+        self._inflight: dict[int, int] = {}  # inode invalidations on their way, by inode
+        self._sent = trio.lowlevel.ParkingLot()
 
     def start(self) -> None:
         self.active = True
@@ -345,7 +348,25 @@ class KernelNotifier:
 
     def inode(self, ino: int) -> None:
         if self.active:
-            trio.lowlevel.spawn_system_task(self.session.invalidate_inode, ino)
+            self._inflight[ino] = self._inflight.get(ino, 0) + 1
+            trio.lowlevel.spawn_system_task(self._invalidate_inode, ino)
+
+    async def _invalidate_inode(self, ino: int) -> None:
+        try:
+            await self.session.invalidate_inode(ino)
+        finally:
+            left = self._inflight.pop(ino) - 1
+            if left:
+                self._inflight[ino] = left
+            self._sent.unpark_all()
+
+    async def inode_settled(self, ino: int) -> None:
+        """Until the invalidations of `ino` on their way were sent, INODE_SETTLE_WAIT at
+        most: the kernel may hold a lock the invalidation needs until the request that
+        waits here is answered (it then goes on as before)."""
+        with trio.move_on_after(INODE_SETTLE_WAIT):
+            while ino in self._inflight:
+                await self._sent.park()
 
     def attrs_now(self, ino: int) -> None:
         """Drop the kernel's cached attributes of `ino` before we reply to an open of it,
