@@ -76,6 +76,7 @@ class ReadIndex:
         self._round_running = False
         self._round_done = trio.Event()
         self._result: int | None = None
+        self._asking: set[str] = set()  # voters asked for their term that have not answered
         self.confirmed = 0
         self.fallbacks = 0
         self.served = 0
@@ -213,9 +214,15 @@ class ReadIndex:
             nonlocal yes, answered
             m = self._member_at(addr)
             got = None
-            if m is not None:
-                got = await self.client.call(m.id, {"op": "raft_term", "group": group},
-                                             max_data=0, timeout=TERM_ASK_TIMEOUT)
+            # One question at a time per voter: a voter cut off (not yet suspected) would
+            # otherwise collect a question from every round until its timeout.
+            if m is not None and addr not in self._asking:
+                self._asking.add(addr)
+                try:
+                    got = await self.client.call(m.id, {"op": "raft_term", "group": group},
+                                                 max_data=0, timeout=TERM_ASK_TIMEOUT)
+                finally:
+                    self._asking.discard(addr)
             answered += 1
             if got is not None and got[0].get("term") == term:
                 yes += 1
