@@ -143,3 +143,30 @@ async def test_concurrent_readers_share_a_round() -> None:
     # One round for the first reader, one for the 19 that arrived while it ran: two
     # rounds of four questions at most, not twenty.
     assert voters.asked - asked <= 8, voters.asked - asked
+
+
+async def test_a_silent_voter_is_asked_one_question_at_a_time(autojump_clock: Any) -> None:
+    # n4 is cut off and not suspected yet: each round would leave a question waiting on it
+    # for TERM_ASK_TIMEOUT, one per read barrier.
+    voters = Voters({f"n{i}": 2 for i in range(1, 5)})
+    per_voter: dict[str, int] = {}
+    call = voters.call
+
+    async def counting(node: str, msg: dict[str, Any], max_data: int, timeout: float
+                       ) -> tuple[dict[str, Any], None] | None:
+        per_voter[node] = per_voter.get(node, 0) + 1
+        if node == "n4":
+            await trio.sleep(timeout)
+            return None
+        return await call(node, msg, max_data, timeout)
+
+    voters.call = counting  # type: ignore[method-assign]
+    reads = _reads(voters)
+    leader = Leader(term=2, commit=9)
+    async with trio.open_nursery() as nursery:
+        reads.bind(nursery)
+        await reads._confirmed(leader)  # type: ignore[arg-type]
+        leader.commit = leader.applied = leader.last = 10
+        for _ in range(20):
+            assert await reads._confirmed(leader) == 10  # type: ignore[arg-type]
+    assert per_voter["n4"] == 1, per_voter
