@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import trio
 
-from objcache.cluster.membership import ALIVE
+from objcache.cluster.membership import ALIVE, alive_at_raft
 from objcache.errors import NoQuorum
 from objcache.raft.node import (
     ANSWER_GRACE,
@@ -98,11 +98,7 @@ class Learner:
     # -- following ------------------------------------------------------------------------
 
     def _member(self, raft_addr: str) -> Member | None:
-        for m in list(self.membership.members.values()):
-            if (m.raft == raft_addr and m.state == ALIVE
-                    and m.id not in self.membership.suspects):
-                return m
-        return None
+        return alive_at_raft(self.membership, raft_addr)
 
     def pick(self) -> str | None:
         """The member to follow: a voter other than the leader (its work must not grow

@@ -128,6 +128,14 @@ class _Update:
     sent: int = 0
 
 
+def alive_at_raft(ms: Membership, raft_addr: str) -> Member | None:
+    """The member whose Raft address is `raft_addr`, if it is alive and not suspected."""
+    for m in list(ms.members.values()):
+        if m.raft == raft_addr and m.state == ALIVE and m.id not in ms.suspects:
+            return m
+    return None
+
+
 class Membership:
     """Attributes:
     on_suspect: called with a node id when it stops answering (cancel what waits on it).

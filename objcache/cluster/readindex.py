@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from objcache.cluster.membership import ALIVE
+from objcache.cluster.membership import alive_at_raft
 from objcache.errors import NoQuorum
 from objcache.raft.node import RaftNode
 
@@ -127,11 +127,7 @@ class ReadIndex:
         return index if isinstance(index, int) and not isinstance(index, bool) else None
 
     def _member_at(self, raft_addr: str) -> Member | None:
-        for m in list(self.membership.members.values()):
-            if (m.raft == raft_addr and m.state == ALIVE
-                    and m.id not in self.membership.suspects):
-                return m
-        return None
+        return alive_at_raft(self.membership, raft_addr)
 
     # -- the leader -----------------------------------------------------------------------
 
