@@ -74,6 +74,7 @@ PROMOTE_WAIT = 120.0  # a promoted learner's voter has this long to catch up
 PROMOTE_RETRY = 30.0  # a learner that failed a promotion is not asked again this long
 LEADERLESS_CHECK = 3.0  # a voter without a leader this long asks whether it still votes
 MAX_FEED_WAIT = 10.0
+MAX_LINGER = 1.0
 FORM_WAIT = 3.0  # a starting node lets a member with a lower id form the group this long
 SUPERVISE_POLL = 0.2  # how often a waiting supervisor looks for a change to act on
 MAX_SUBMIT_COMMANDS = 10_000
@@ -159,6 +160,8 @@ class RaftGroup(Generic[T]):
         self._applied_event = trio.Event()
         self._feed_event = trio.Event()
         self._feed_waiting = False
+        self._hurry: dict[str, trio.Event] = {}  # learners whose feed request lingers
+        self._hurried: set[str] = set()  # ...and those that hurried one not here yet
         self._leaderless_since: float | None = None
         self._promote_failed: dict[str, float] = {}
         self._token: trio.lowlevel.TrioToken | None = None
@@ -171,7 +174,8 @@ class RaftGroup(Generic[T]):
         return {"raft_members": self._members, "raft_add": self._change,
                 "raft_remove": self._change, "raft_feed": self._feed,
                 "raft_submit": self._submit, "raft_promote": self._promote,
-                "raft_demote": self._demote_request, **self.reads.routes()}
+                "raft_demote": self._demote_request, "raft_feed_now": self._feed_now,
+                **self.reads.routes()}
 
     @property
     def raft(self) -> RaftMember | None:
@@ -282,6 +286,11 @@ class RaftGroup(Generic[T]):
 
     async def wait_applied(self, index: int, deadline: float) -> None:
         """Until this node has applied log index `index`; NoQuorum at `deadline`."""
+        learner = self.learner
+        if learner is not None and learner is self._current:
+            learner.active()
+            if self._applied_index < index and self._nursery is not None:
+                self._nursery.start_soon(learner.hurry, index)
         while self._applied_index < index:
             if trio.current_time() >= deadline:
                 raise NoQuorum(f"log index {index} was committed but not applied here in "
@@ -750,9 +759,10 @@ class RaftGroup(Generic[T]):
         of the state when they are no longer all here or the asker follows another
         group."""
         after = field_int(msg, "after", 0, 1 << 62)
-        wait = msg.get("wait", 0.0)
-        if not isinstance(wait, int | float) or isinstance(wait, bool):
-            raise ProtocolError("raft_feed's wait is not a number")
+        wait, linger = msg.get("wait", 0.0), msg.get("linger", 0.0)
+        if not all(isinstance(v, int | float) and not isinstance(v, bool)
+                   for v in (wait, linger)):
+            raise ProtocolError("raft_feed's wait or linger is not a number")
         group = msg.get("group")
         snapshot = isinstance(group, str) and bool(group) and bool(self.group) \
             and group != self.group
@@ -768,7 +778,16 @@ class RaftGroup(Generic[T]):
             entries = cur.feed.since(after, FEED_REPLY_BYTES)
             if entries is None:
                 return self._snapshot_reply(cur)
+            if (entries or done > after) and linger > 0 and peer not in self._hurried:
+                # Entries to send: wait `linger` for more, unless the learner hurries us.
+                hurry = self._hurry[peer] = trio.Event()
+                with trio.move_on_after(min(MAX_LINGER, linger)):
+                    await hurry.wait()
+                self._hurry.pop(peer, None)
+                linger = 0.0
+                continue
             if entries or done > after or trio.current_time() >= deadline:
+                self._hurried.discard(peer)
                 break
             with trio.move_on_at(deadline):
                 await self._feed_event.wait()
@@ -778,6 +797,15 @@ class RaftGroup(Generic[T]):
             through = last if last < cur.feed.last else max(last, done)
         data = msgpack.packb([[i, b] for i, b in entries], use_bin_type=True)
         return {**self._feed_header(cur), "through": through, "data": len(data)}, data
+
+    async def _feed_now(self, peer: str, msg: dict[str, Any]) -> Reply:
+        """A learner waits for an entry: its feed request answers without lingering."""
+        hurry = self._hurry.get(peer)
+        if hurry is not None:
+            hurry.set()
+        else:  # (its request is still on its way, or was answered already)
+            self._hurried.add(peer)
+        return {"ok": True}, None
 
     def _feed_header(self, cur: RaftMember) -> dict[str, Any]:
         h = cur.feed_header()
