@@ -14,7 +14,7 @@ from objcache.cluster.membership import Member
 from objcache.cluster.raftgroup import RaftGroup
 from objcache.raft.node import RaftNode
 from tests.helpers.cluster import free_port
-from tests.unit.test_raft_no_stale_commands import Log, _submit_once_led
+from tests.helpers.raftlog import Log, submit_once_led
 
 
 class FakeMembership:
@@ -38,7 +38,7 @@ async def test_a_feed_request_lingers_unless_the_learner_hurries_it(tmp_path: Pa
     g._token = trio.lowlevel.current_trio_token()
     node.feed.on_add = g._wake_feed
     try:
-        await _submit_once_led(node, "first", 20)
+        await submit_once_led(node, "first", 20)
         after = node.applied_index()
 
         async def commands(names: list[str], gap: float) -> None:

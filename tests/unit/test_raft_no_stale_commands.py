@@ -5,9 +5,7 @@ network healed). Three real members in this process, on loopback."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -15,35 +13,7 @@ import trio
 from objcache.errors import NoQuorum
 from objcache.raft.node import RaftNode
 from tests.helpers.cluster import free_port
-
-
-class Log:
-    def __init__(self) -> None:
-        self.seen: list[str] = []
-        self.lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"seen": list(self.seen)}
-
-    def __setstate__(self, d: dict[str, Any]) -> None:
-        self.seen = d["seen"]
-        self.lock = threading.Lock()
-
-    def apply(self, cmd: dict[str, Any]) -> Any:
-        with self.lock:
-            self.seen.append(str(cmd.get("name")))
-        return {"ok": True}
-
-
-async def _submit_once_led(node: RaftNode, name: str, limit: float) -> None:
-    """Submit a command, again until the group has a leader (at most `limit` seconds)."""
-    with trio.fail_after(limit):
-        while True:
-            try:
-                await node.submit({"name": name}, timeout=2.0)
-                return
-            except NoQuorum:
-                await trio.sleep(0.1)
+from tests.helpers.raftlog import Log, submit_once_led
 
 
 async def test_a_command_without_a_leader_never_applies_later(tmp_path: Path) -> None:
@@ -62,7 +32,7 @@ async def test_a_command_without_a_leader_never_applies_later(tmp_path: Path) ->
         assert not e.value.maybe_sent
         member(1)
         member(2)
-        await _submit_once_led(alone, "later", 30)
+        await submit_once_led(alone, "later", 30)
         await trio.sleep(1.0)  # (a queued command would be sent with the first ones)
         for node in made:
             assert "early" not in node.state.seen, node.state.seen
@@ -78,7 +48,7 @@ async def test_a_feed_header_says_what_the_full_status_says(tmp_path: Path) -> N
     addr = f"127.0.0.1:{free_port()}"
     node = RaftNode(addr, [addr], tmp_path / "m0", "k" * 32, Log())
     try:
-        await _submit_once_led(node, "one", 20)
+        await submit_once_led(node, "one", 20)
         h, st = node.feed_header(), node.status()
         assert h.voters == node.members() == [addr]
         assert (h.leader, h.term, h.commit) == (st["leader"], st["term"], st["commit_index"])
