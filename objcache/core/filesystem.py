@@ -2026,7 +2026,9 @@ class Filesystem:
                         n.start_soon(one, h)
 
     async def flush_scope(self, scope: FlushScope) -> int:
-        """`objcache flush`: return once everything dirty in `scope` is in S3."""
+        """`objcache flush`: return once everything dirty in `scope` is in S3 (everything
+        closed before the call, on any node: a barrier first)."""
+        await self.sync()
         await self._commit_open_files(scope)
         return await self.backend.flush(scope)
 
