@@ -40,6 +40,7 @@ import trio
 from objcache.cluster.membership import alive_at_raft
 from objcache.errors import NoQuorum
 from objcache.raft.node import RaftNode
+from objcache.rounds import SharedRounds
 
 if TYPE_CHECKING:
     from objcache.cluster.client import PeerClient
@@ -71,11 +72,7 @@ class ReadIndex:
         self._wait_applied = wait_applied
         self._nursery: trio.Nursery | None = None
         self._lead = (0, 0)  # (term, commit index first seen while leading in it)
-        self._rounds_started = 0
-        self._rounds_done = 0
-        self._round_running = False
-        self._round_done = trio.Event()
-        self._result: int | None = None
+        self._rounds = SharedRounds[int | None]()
         self._asking: set[str] = set()  # voters asked for their term that have not answered
         self.confirmed = 0
         self.fallbacks = 0
@@ -154,23 +151,7 @@ class ReadIndex:
     async def _confirmed(self, node: RaftNode) -> int | None:
         """A read index from a round that started after this call (shared by the callers
         that arrive while one runs)."""
-        want = self._rounds_started + 1
-        while self._rounds_done < want:
-            if self._round_running:
-                await self._round_done.wait()
-                continue
-            self._round_running = True
-            self._rounds_started += 1
-            n = self._rounds_started
-            self._result = None
-            try:
-                self._result = await self._round(node)
-            finally:
-                self._rounds_done = max(self._rounds_done, n)
-                self._round_running = False
-                self._round_done.set()
-                self._round_done = trio.Event()
-        return self._result
+        return await self._rounds.join(lambda: self._round(node))
 
     async def _round(self, node: RaftNode) -> int | None:
         lead = node.leading()

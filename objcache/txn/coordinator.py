@@ -37,6 +37,7 @@ from objcache.errors import (
     StaleObject,
     error_from_code,
 )
+from objcache.rounds import SharedRounds
 from objcache.txn.dirtystore import PIECE, DirtyStore
 from objcache.txn.state import ClusterState
 
@@ -72,10 +73,7 @@ class TxnClient:
         self.timeout = timeout
         self._seq = itertools.count(1)
         self._incarnation = uuid.uuid4().hex[:8]
-        self._rounds_started = 0
-        self._rounds_done = 0
-        self._round_running = False
-        self._round_done = trio.Event()
+        self._barriers = SharedRounds[None]()
         self._degraded_until = 0.0
         # Changes that answered ETIMEDOUT, by transaction id, until a fence settles them;
         # then their outcome (the last 20), for `objcache status`.
@@ -204,26 +202,12 @@ class TxnClient:
         """Wait until this node has applied everything committed before the call."""
         if time.monotonic() < self._degraded_until:
             return
-        want = self._rounds_started + 1  # a round that starts after we arrived
-        while self._rounds_done < want:
-            if self._round_running:
-                await self._round_done.wait()
-                continue
-            self._round_running = True
-            self._rounds_started += 1
-            n = self._rounds_started
-            try:
-                await self._noop(time.monotonic() + BARRIER_TIMEOUT)
-            except NoQuorum as e:
-                log.warning("no quorum for a read barrier (%s); serving from what this node "
-                            "has applied for %.0fs", e, DEGRADED_FOR)
-                self._degraded_until = time.monotonic() + DEGRADED_FOR
-                return
-            finally:
-                self._rounds_done = max(self._rounds_done, n)
-                self._round_running = False
-                self._round_done.set()
-                self._round_done = trio.Event()
+        try:
+            await self._barriers.join(lambda: self._noop(time.monotonic() + BARRIER_TIMEOUT))
+        except NoQuorum as e:
+            log.warning("no quorum for a read barrier (%s); serving from what this node "
+                        "has applied for %.0fs", e, DEGRADED_FOR)
+            self._degraded_until = time.monotonic() + DEGRADED_FOR
 
     async def _noop(self, deadline: float) -> None:
         """A read index from the leader (objcache.cluster.readindex: no log entry), or
