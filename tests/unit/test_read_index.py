@@ -5,6 +5,8 @@ daemons in tests/integration/test_scale.py, and under partitions in the fault ca
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
@@ -69,6 +71,20 @@ def _reads(voters: Voters) -> ReadIndex:
                      wait_applied)
 
 
+@asynccontextmanager
+async def _leading(voters: Voters, term: int, commit: int
+                   ) -> AsyncIterator[tuple[ReadIndex, Leader, trio.Nursery]]:
+    """A leader seen for the first time in `term` (no answer yet: nothing of the term is
+    known to be committed), whose commit index then rises to `commit` + 1."""
+    reads = _reads(voters)
+    leader = Leader(term=term, commit=commit)
+    async with trio.open_nursery() as nursery:
+        reads.bind(nursery)
+        assert await reads._confirmed(leader) is None  # type: ignore[arg-type]
+        leader.commit = leader.applied = leader.last = commit + 1
+        yield reads, leader, nursery
+
+
 async def test_a_new_leader_answers_once_it_has_committed_in_its_term() -> None:
     voters = Voters({f"n{i}": 7 for i in range(1, 5)})
     reads = _reads(voters)
@@ -91,12 +107,7 @@ async def test_no_answer_without_a_majority_of_the_voters_in_its_term() -> None:
     # Two of four others moved to a later term, one does not answer: with the leader, two
     # of five, not a majority (one of them may have elected another leader).
     voters = Voters({"n1": 7, "n2": 8, "n3": 8, "n4": None})
-    reads = _reads(voters)
-    leader = Leader(term=7, commit=40)
-    async with trio.open_nursery() as nursery:
-        reads.bind(nursery)
-        await reads._confirmed(leader)  # type: ignore[arg-type]
-        leader.commit = leader.applied = leader.last = 41
+    async with _leading(voters, term=7, commit=40) as (reads, leader, _):
         assert await reads._confirmed(leader) is None  # type: ignore[arg-type]
         voters.terms["n4"] = 7  # now three of five
         assert await reads._confirmed(leader) == 41  # type: ignore[arg-type]
@@ -104,11 +115,7 @@ async def test_no_answer_without_a_majority_of_the_voters_in_its_term() -> None:
 
 async def test_the_index_covers_what_the_leader_applied_once_it_applied_its_commit() -> None:
     voters = Voters({f"n{i}": 3 for i in range(1, 5)})
-    reads = _reads(voters)
-    leader = Leader(term=3, commit=10)
-    async with trio.open_nursery() as nursery:
-        reads.bind(nursery)
-        await reads._confirmed(leader)  # type: ignore[arg-type]
+    async with _leading(voters, term=3, commit=10) as (reads, leader, nursery):
         # Committed through 12 (the last entry is pysyncobj's own, no command), applied
         # through 11 only: the answer waits for the leader to apply, then names its last
         # command entry.
@@ -124,13 +131,8 @@ async def test_the_index_covers_what_the_leader_applied_once_it_applied_its_comm
 
 async def test_concurrent_readers_share_a_round() -> None:
     voters = Voters({f"n{i}": 5 for i in range(1, 5)}, delay=0.05)
-    reads = _reads(voters)
-    leader = Leader(term=5, commit=20)
     got: list[int | None] = []
-    async with trio.open_nursery() as nursery:
-        reads.bind(nursery)
-        await reads._confirmed(leader)  # type: ignore[arg-type]
-        leader.commit = leader.applied = leader.last = 21
+    async with _leading(voters, term=5, commit=20) as (reads, leader, _):
         asked = voters.asked
 
         async def reader() -> None:
@@ -161,12 +163,7 @@ async def test_a_silent_voter_is_asked_one_question_at_a_time(autojump_clock: An
         return await call(node, msg, max_data, timeout)
 
     voters.call = counting  # type: ignore[method-assign]
-    reads = _reads(voters)
-    leader = Leader(term=2, commit=9)
-    async with trio.open_nursery() as nursery:
-        reads.bind(nursery)
-        await reads._confirmed(leader)  # type: ignore[arg-type]
-        leader.commit = leader.applied = leader.last = 10
+    async with _leading(voters, term=2, commit=9) as (reads, leader, _):
         for _ in range(20):
             assert await reads._confirmed(leader) == 10  # type: ignore[arg-type]
     assert per_voter["n4"] == 1, per_voter
