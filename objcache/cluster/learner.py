@@ -79,7 +79,7 @@ class Learner:
 
     def __init__(self, client: PeerClient, membership: Membership, state: StateMachine,
                  voters: list[str], group: str, on_applied: Applied,
-                 wait_applied: Callable[[int, float], Awaitable[None]],
+                 wait_applied: Callable[[int, float, bool], Awaitable[None]],
                  on_progress: Callable[[int], None]) -> None:
         self.client = client
         self.membership = membership
@@ -209,36 +209,49 @@ class Learner:
             log.info("raft: took a snapshot of the state at index %d (%.0f KiB)", through,
                      len(data) / 1024)
         else:
-            entries = msgpack.unpackb(bytes(data), raw=False)
-            for n, (idx, blob) in enumerate(entries):
-                if idx <= self.applied:
-                    continue
-                with self.feed.lock:
-                    apply_entry(self.state, blob, idx, self._on_applied)
-                    self.feed.add(idx, blob)
-                self.applied = idx
-                self.feed.on_add()
-                if n % APPLY_SLICE == APPLY_SLICE - 1:
-                    self._on_progress(self.applied)
-                    await trio.lowlevel.checkpoint()
-                    if self.stopped:
-                        return
+            if not await self._apply(data):
+                return
             self.applied = max(self.applied, through)
         self.source_applied = through
         self._on_progress(self.applied)
 
+    async def _apply(self, data: Any) -> bool:
+        """Apply the entries packed in `data` (index, command) that follow what we have
+        applied, in order; False if we stopped meanwhile. A feed answer and a submit
+        answer may both bring an entry: the first applies it, the other skips it. (Both
+        lists are runs of the same log, so whichever resumes after the other's slice
+        finds its next entry is the one after `applied`.)"""
+        entries = msgpack.unpackb(bytes(data), raw=False)
+        for n, (idx, blob) in enumerate(entries):
+            if idx <= self.applied:
+                continue
+            with self.feed.lock:
+                apply_entry(self.state, blob, idx, self._on_applied)
+                self.feed.add(idx, blob)
+            self.applied = idx
+            self.feed.on_add()
+            if n % APPLY_SLICE == APPLY_SLICE - 1:
+                self._on_progress(self.applied)
+                await trio.lowlevel.checkpoint()
+                if self.stopped:
+                    return False
+        return True
+
     # -- committing -----------------------------------------------------------------------
 
-    async def submit(self, cmd: dict[str, Any], timeout: float = 10.0) -> Any:
-        result, _ = await self.submit_indexed(cmd, timeout)
+    async def submit(self, cmd: dict[str, Any], timeout: float = 10.0,
+                     background: bool = False) -> Any:
+        result, _ = await self.submit_indexed(cmd, timeout, background)
         return result
 
-    async def submit_indexed(self, cmd: dict[str, Any], timeout: float = 10.0
-                             ) -> tuple[Any, int]:
-        """Commit `cmd` through a voter; its result once we have applied it here."""
+    async def submit_indexed(self, cmd: dict[str, Any], timeout: float = 10.0,
+                             background: bool = False) -> tuple[Any, int]:
+        """Commit `cmd` through a voter; its result once we have applied it here.
+        `background`: no user here waits for it (write-back), so it does not make this
+        learner follow without lingering."""
         deadline = trio.current_time() + timeout
         results, index = await self.batcher.submit([pack(cmd)], timeout)
-        await self._wait_applied(index, deadline)
+        await self._wait_applied(index, deadline, not background)
         return results[0], index
 
     async def _send_batch(self, blobs: list[bytes], timeout: float) -> tuple[list[Any], int]:
@@ -247,14 +260,22 @@ class Learner:
             e = NoQuorum("no voter is reachable to take commands")
             e.maybe_sent = False
             raise e
+        group = self.group
         got = await self.client.call(target, {"op": "raft_submit", "cmds": blobs,
-                                              "timeout": min(timeout, 30.0)},
-                                     max_data=0, timeout=timeout + ANSWER_GRACE + 1)
+                                              "timeout": min(timeout, 30.0),
+                                              "after": self.applied, "group": group},
+                                     max_data=FEED_REPLY_BYTES + (1 << 20),
+                                     timeout=timeout + ANSWER_GRACE + 1)
         if got is None:
             raise NoQuorum(f"{target} did not commit the commands")
         results, index = got[0].get("results"), got[0].get("index")
         if not isinstance(results, list) or not isinstance(index, int):
             raise NoQuorum(f"{target} answered raft_submit without results")
+        # The log up to our command came with the answer (objcache.cluster.raftgroup):
+        # applied here now, the submitter needs no feed answer to wait for.
+        if (got[1] is not None and self.group == group and index > self.applied
+                and await self._apply(got[1])):
+            self._on_progress(self.applied)
         return results, index
 
     def applied_index(self) -> int:

@@ -64,7 +64,7 @@ class ReadIndex:
 
     def __init__(self, membership: Membership, client: PeerClient,
                  current: Callable[[], RaftNode | Learner | None], group: Callable[[], str],
-                 wait_applied: Callable[[int, float], Awaitable[None]]) -> None:
+                 wait_applied: Callable[[int, float, bool], Awaitable[None]]) -> None:
         self.membership = membership
         self.client = client
         self._current = current
@@ -100,7 +100,7 @@ class ReadIndex:
             index = await self._index()
         if index is not None:
             try:
-                await self._wait_applied(index, deadline)
+                await self._wait_applied(index, deadline, True)
                 self.confirmed += 1
                 return True
             except NoQuorum:

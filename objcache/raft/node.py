@@ -437,8 +437,10 @@ class RaftNode:
             return True
         return st.get(f"{_PARTNER}{leader}") == _CONNECTED
 
-    async def submit(self, cmd: dict[str, Any], timeout: float = 10.0) -> Any:
-        """Commit `cmd` through the log and return what applying it returned."""
+    async def submit(self, cmd: dict[str, Any], timeout: float = 10.0,
+                     background: bool = False) -> Any:
+        """Commit `cmd` through the log and return what applying it returned.
+        (`background`: as for a learner; a voter applies every entry as it commits.)"""
         results, _ = await self.batcher.submit([pack(cmd)], timeout)
         return results[0]
 

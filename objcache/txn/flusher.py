@@ -163,7 +163,7 @@ class ClusterFlusher:
                 with trio.CancelScope(shield=True), trio.move_on_after(self.txn.timeout):
                     try:
                         await self.txn.submit({"op": "ns.release", "key": key,
-                                               "node": self.txn.node_id})
+                                               "node": self.txn.node_id}, background=True)
                     except ObjcacheError:
                         pass  # it expires
 
@@ -194,14 +194,14 @@ class ClusterFlusher:
         else:
             await q.put(key, None, 0, error)  # a marker, a delete: no bytes
         await self.txn.submit({"op": "ns.clean", "key": key, "ver": e.ver, "etag": None,
-                               "stored": False})
+                               "stored": False}, background=True)
 
     async def _claim(self, key: str, e: Entry) -> None:
         """The right to write `key` to S3 at version `e.ver` now (see the module
         docstring); Busy if another node has it or the entry moved on."""
         res = await self.txn.submit({"op": "ns.claim", "key": key, "ver": e.ver,
                                      "node": self.txn.node_id, "at": time.time(),
-                                     "lease": self.lease})
+                                     "lease": self.lease}, background=True)
         if not res.get("ok"):
             raise Busy("the entry changed since" if res.get("stale")
                        else f"{res.get('by')} is writing it")
@@ -235,7 +235,7 @@ class ClusterFlusher:
                 if not self.dirty.has(e.cid):
                     await self.txn.pull(e.cid, e.size, list(e.holders))
                     await self.txn.submit({"op": "ns.holders", "key": key, "cid": e.cid,
-                                           "add": [self.txn.node_id]})
+                                           "add": [self.txn.node_id]}, background=True)
                 try:
                     etag = await self.store.put_file(
                         key, str(self.dirty.path(e.cid)), e.size, meta, self.chunk_size,
@@ -258,7 +258,7 @@ class ClusterFlusher:
                 await self._claim(key, e)
                 etag = await self.store.put_bytes(key, b"", meta)
         res = await self.txn.submit({"op": "ns.clean", "key": key, "ver": e.ver,
-                                     "etag": etag, "node": self.txn.node_id})
+                                     "etag": etag, "node": self.txn.node_id}, background=True)
         self._claimed.discard(key)
         if res.get("ok"):
             self.uploaded += 1

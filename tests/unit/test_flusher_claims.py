@@ -44,7 +44,7 @@ class Txn:
         self.pulled: list[str] = []
         self.ops: list[str] = []
 
-    async def submit(self, cmd: dict[str, Any]) -> dict[str, Any]:
+    async def submit(self, cmd: dict[str, Any], background: bool = False) -> dict[str, Any]:
         self.ops.append(cmd["op"])
         if cmd["op"] == "ns.claim" and self.claimed_by:
             return {"ok": False, "by": self.claimed_by}

@@ -28,7 +28,8 @@ class Raft:
         self.hold: set[str] = set()  # ops that reach a log but do not commit
         self.held: list[dict[str, Any]] = []
 
-    async def submit(self, cmd: dict[str, Any], timeout: float = 10.0) -> Any:
+    async def submit(self, cmd: dict[str, Any], timeout: float = 10.0,
+                     background: bool = False) -> Any:
         if not self.reachable:
             e = NoQuorum("raft command failed: missing leader")
             e.maybe_sent = False
