@@ -9,6 +9,9 @@ For each N:
   requests each node sends per second;
 - close-to-open: write + close of 1 KiB on one node, then open + read of it on another
   (two nodes that are neither the leader nor, when there are any, voters), p50 / p99;
+  at rest (batches of 50, each flushed to S3 after it, outside the timing) and under
+  write-back (after each round trip, the file of 5 round trips before is flushed, one at
+  a time, beside them): the same load at every N either way;
 - commits: `--writers` threads on every node but the leader, each creating 1 KiB files for
   `--seconds`; closes/s, Raft log entries and commands per close, the leader's CPU per
   close (its process, and its Raft thread), the largest apply lag seen on any member
@@ -41,7 +44,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,8 @@ from tests.helpers.mount import Mount, objcache, stop_all
 from tests.helpers.seaweed import SeaweedFS
 
 KiB = 1 << 10
+C2O_BATCH = 50  # close-to-open round trips between two flushes (see Scale.close_to_open)
+WRITEBACK_LAG = 5  # under write-back, the file flushed trails the one written by this many
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -314,7 +319,16 @@ class Scale:
                 "peer_requests_per_node_s": round(statistics.mean(per_node_req), 2),
                 "by_role": {k: round(max(v), 4) for k, v in by_role.items()}}
 
-    def close_to_open(self, a: Mount, b: Mount, files: int, tag: str) -> dict[str, Any]:
+    def close_to_open(self, a: Mount, b: Mount, files: int, tag: str,
+                      under_writeback: bool = False) -> dict[str, Any]:
+        """`files` round trips in batches of C2O_BATCH, each batch in a directory of its
+        own. At rest (the default): each batch's files are flushed to S3 after it, outside
+        the timing, so no batch meets write-back at any N. (In one stream of 200, the
+        uploads of the first files ran during the last round trips at 16 and 32 nodes,
+        where a round trip is slower, and never at 3: the sizes were compared under
+        different loads.) `under_writeback`: the same load at every N instead, one upload
+        per round trip: after each round trip, the file written WRITEBACK_LAG round trips
+        before is flushed, one file at a time, beside the round trips.""" 
         d = f"c2o-{tag}"
         (a.mnt / d).mkdir()
         os.listdir(b.mnt / d)
@@ -323,38 +337,58 @@ class Scale:
         # (what the round trips cost the whole cluster: on 2 cores, every daemon applying
         # every entry can make the round trip wait for CPU, not for the network)
         pids = [self.pid(m) for m in self.mounts if m.proc is not None]
-        v0 = raft_view(status(self.leader()))
-        cpu0, busy0, t0_all = sum(cpu_seconds(p) for p in pids), machine_busy(), time.monotonic()
-        for i in range(files):
-            t0 = time.perf_counter()
-            (a.mnt / d / f"f{i}").write_bytes(data)
-            t1 = time.perf_counter()
-            with open(b.mnt / d / f"f{i}", "rb") as f:
-                got = f.read()
-            t2 = time.perf_counter()
-            if got != data:
-                raise AssertionError(f"close-to-open broken: {b.mnt / d / f'f{i}'} read "
-                                     f"{len(got)} bytes")
-            wc.append(t1 - t0)
-            c2o.append(t2 - t1)
+        cpu, busy, wall, entries, commands = 0.0, 0.0, 0.0, 0, 0
+        batches = [list(range(i, min(files, i + C2O_BATCH)))
+                   for i in range(0, files, C2O_BATCH)]
+        uploads = ThreadPoolExecutor(1)  # one flush at a time, in the order asked
+        written: list[Path] = []
+        flushes: list[Future[None]] = []
+        for k, batch in enumerate(batches):
+            sub = a.mnt / d / f"b{k}"
+            sub.mkdir()
+            os.listdir(b.mnt / d / f"b{k}")
+            v0 = raft_view(status(self.leader()))
+            cpu0, busy0, t0_all = (sum(cpu_seconds(p) for p in pids), machine_busy(),
+                                   time.monotonic())
+            for i in batch:
+                t0 = time.perf_counter()
+                (sub / f"f{i}").write_bytes(data)
+                t1 = time.perf_counter()
+                with open(b.mnt / d / f"b{k}" / f"f{i}", "rb") as f:
+                    got = f.read()
+                t2 = time.perf_counter()
+                if got != data:
+                    raise AssertionError(f"close-to-open broken: {b.mnt / d / f'b{k}/f{i}'} "
+                                         f"read {len(got)} bytes")
+                wc.append(t1 - t0)
+                c2o.append(t2 - t1)
+                written.append(sub / f"f{i}")
+                if under_writeback and len(written) > WRITEBACK_LAG:
+                    flushes.append(uploads.submit(flush, written[-WRITEBACK_LAG - 1]))
+            wall += time.monotonic() - t0_all
+            cpu += sum(cpu_seconds(p) for p in pids) - cpu0
+            busy += machine_busy() - busy0
+            v1 = raft_view(status(self.leader()))
+            if v0 is not None and v1 is not None:  # (None: the leader changed meanwhile)
+                entries += v1.commit - v0.commit
+                commands += v1.commands - v0.commands
+            if not under_writeback:
+                flush(sub)
+        uploads.shutdown()
+        for f in flushes:
+            f.result()  # (a flush that failed fails the run)
+        flush(a.mnt / d)
         self.last_write = time.monotonic()
-        wall = time.monotonic() - t0_all
-        daemons_cpu = sum(cpu_seconds(p) for p in pids) - cpu0
         # (every entry is applied by every member; a learner also gets each one in an answer
         # to its feed request)
-        v1 = raft_view(status(self.leader()))
-        per_trip = (None if v0 is None or v1 is None else
-                    [round((v1.commit - v0.commit) / files, 2),
-                     round((v1.commands - v0.commands) / files, 2)])
+        per_trip = [round(entries / files, 2), round(commands / files, 2)]
         return {"write_close_ms": {"p50": ms(statistics.median(wc)), "p99": ms(pct(wc, 99))},
                 "close_to_open_ms": {"p50": ms(statistics.median(c2o)),
                                      "p99": ms(pct(c2o, 99)), "max": ms(max(c2o))},
                 "round_trip_cost": {"log_entries_commands": per_trip,
-                                    "daemons_cpu_ms_per_round_trip":
-                                    ms(daemons_cpu / files),
-                                    "daemons_cores": round(daemons_cpu / wall, 2),
-                                    "machine_busy_cores": round(
-                                        (machine_busy() - busy0) / wall, 2)}}
+                                    "daemons_cpu_ms_per_round_trip": ms(cpu / files),
+                                    "daemons_cores": round(cpu / wall, 2),
+                                    "machine_busy_cores": round(busy / wall, 2)}}
 
     def close_to_open_frozen(self, a: Mount, b: Mount, files: int, tag: str
                              ) -> dict[str, Any]:
@@ -562,6 +596,12 @@ class Scale:
                 "voter_set_whole_after_s": round(promoted, 2) if promoted >= 0 else None}
 
 
+def flush(path: Path) -> None:
+    """`objcache flush PATH`: every file under it in S3 (through the control socket, not
+    a new interpreter: the harness should not add a process start to what it times)."""
+    control.request(str(path), {"op": "flush", "ino": os.lstat(path).st_ino})
+
+
 def raft_addr(m: Mount) -> str:
     flags = list(m.extra)
     return f"127.0.0.1:{flags[flags.index('--raft-port') + 1]}"
@@ -610,6 +650,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             r["idle"] = phase("idle", sc.idle, args.idle_seconds)
             a, b = sc.non_voters()[-2:]
             r.update(phase("close-to-open", sc.close_to_open, a, b, args.files, str(n)))
+            r["under_writeback"] = phase("close-to-open under write-back", sc.close_to_open,
+                                         a, b, args.files, f"{n}w", True)
             if args.c2o_frozen:
                 r["frozen"] = phase("close-to-open, the other learners stopped",
                                     sc.close_to_open_frozen, a, b, args.c2o_frozen, str(n))
@@ -644,6 +686,15 @@ def table(out: dict[str, Any]) -> str:
          lambda r: f"{r['write_close_ms']['p50']} / {r['write_close_ms']['p99']}"),
         ("close-to-open p50 / p99 (ms)",
          lambda r: f"{r['close_to_open_ms']['p50']} / {r['close_to_open_ms']['p99']}"),
+        ("close-to-open under write-back: p50 / p99 (ms); write + close p50",
+         lambda r: (f"{r['under_writeback']['close_to_open_ms']['p50']} / "
+                    f"{r['under_writeback']['close_to_open_ms']['p99']}; "
+                    f"{r['under_writeback']['write_close_ms']['p50']}"
+                    if r.get("under_writeback") else "-")),
+        ("close-to-open under write-back: CPU per round trip (ms); log entries",
+         lambda r: (f"{r['under_writeback']['round_trip_cost']['daemons_cpu_ms_per_round_trip']}"
+                    f"; {r['under_writeback']['round_trip_cost']['log_entries_commands'][0]}"
+                    if r.get("under_writeback") else "-")),
         ("close-to-open p50 / p99, the other learners stopped (ms)",
          lambda r: (f"{r['frozen']['close_to_open_ms']['p50']} / "
                     f"{r['frozen']['close_to_open_ms']['p99']} ({r['frozen']['stopped']})"
