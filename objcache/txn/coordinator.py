@@ -56,14 +56,13 @@ DEGRADED_FOR = 5.0  # after a failed barrier, serve from what we have applied th
 _EMPTY = ClusterState()
 MAX_BLOB = 5 << 40
 HOLDER_RETRY = 0.2  # seconds between rounds over a blob's holders while none can serve it
+OWNERS_KEPT = 100_000  # keys whose write-back owner is remembered (then all forgotten)
 
 
 def key_point(key: str) -> str:
     """The ring point of an inode (its owner): the key itself, directories without '/'."""
     return "inode\0" + key.rstrip("/")
 
-
-OWNERS_KEPT = 100_000  # keys whose owner is remembered (then forgotten at once)
 
 class TxnClient:
     def __init__(self, node: ClusterNode, dirty: DirtyStore, replicas: int,
