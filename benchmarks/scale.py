@@ -328,7 +328,7 @@ class Scale:
         where a round trip is slower, and never at 3: the sizes were compared under
         different loads.) `under_writeback`: the same load at every N instead, one upload
         per round trip: after each round trip, the file written WRITEBACK_LAG round trips
-        before is flushed, one file at a time, beside the round trips.""" 
+        before is queued for a flush, one file at a time, beside the round trips."""
         d = f"c2o-{tag}"
         (a.mnt / d).mkdir()
         os.listdir(b.mnt / d)

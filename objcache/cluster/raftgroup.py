@@ -88,6 +88,12 @@ class _Tag:
     command: only the current one's are handed on."""
 
 
+def _pack_entries(entries: list[tuple[int, bytes]]) -> bytes:
+    """Log entries (index, command) as a feed answer or a submit answer carries them
+    (Learner._apply reads them)."""
+    return msgpack.packb([[i, b] for i, b in entries], use_bin_type=True)
+
+
 class AppliedFeed(Generic[T]):
     """What the Raft member applied, for the trio thread, in log order: `put` (run by
     pysyncobj's thread through `run_sync_soon`, whose callbacks run in order) appends,
@@ -762,7 +768,7 @@ class RaftGroup(Generic[T]):
                 and msg.get("group") == self.group):
             entries = cur.feed.since(after, FEED_REPLY_BYTES)
             if entries and entries[0][0] <= index <= entries[-1][0]:
-                data = msgpack.packb([[i, b] for i, b in entries], use_bin_type=True)
+                data = _pack_entries(entries)
                 return {"results": results, "index": index, "data": len(data)}, data
         return {"results": results, "index": index}, None
 
@@ -807,7 +813,7 @@ class RaftGroup(Generic[T]):
         if entries:
             last = entries[-1][0]
             through = last if last < cur.feed.last else max(last, done)
-        data = msgpack.packb([[i, b] for i, b in entries], use_bin_type=True)
+        data = _pack_entries(entries)
         return {**self._feed_header(cur), "through": through, "data": len(data)}, data
 
     async def _feed_now(self, peer: str, msg: dict[str, Any]) -> Reply:
