@@ -50,7 +50,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-import msgpack
 import trio
 
 from objcache.cluster.learner import FEED_REPLY_BYTES, Learner
@@ -58,7 +57,7 @@ from objcache.cluster.membership import ALIVE, DEAD, LEFT, Member
 from objcache.cluster.peers import field_int, field_str, split_addr
 from objcache.cluster.readindex import ReadIndex
 from objcache.errors import NoQuorum, PeerError, ProtocolError
-from objcache.raft.node import RaftNode, StateMachine
+from objcache.raft.node import RaftNode, StateMachine, pack_entries
 
 if TYPE_CHECKING:
     from objcache.cluster.client import PeerClient
@@ -86,12 +85,6 @@ RaftMember = RaftNode | Learner
 class _Tag:
     """Identifies which of our members (the learner, the voter being promoted) applied a
     command: only the current one's are handed on."""
-
-
-def _pack_entries(entries: list[tuple[int, bytes]]) -> bytes:
-    """Log entries (index, command) as a feed answer or a submit answer carries them
-    (Learner._apply reads them)."""
-    return msgpack.packb([[i, b] for i, b in entries], use_bin_type=True)
 
 
 class AppliedFeed(Generic[T]):
@@ -764,11 +757,10 @@ class RaftGroup(Generic[T]):
         # applies them at once: without them it asked its feed to hurry and waited for
         # that answer too (two more messages for every close, claim and clean).
         after = msg.get("after")
-        if (isinstance(after, int) and not isinstance(after, bool) and 0 <= after < index
+        if (isinstance(after, int) and not isinstance(after, bool)
                 and msg.get("group") == self.group):
-            entries = cur.feed.since(after, FEED_REPLY_BYTES)
-            if entries and entries[0][0] <= index <= entries[-1][0]:
-                data = _pack_entries(entries)
+            data = cur.feed.packed_through(after, index, FEED_REPLY_BYTES)
+            if data is not None:
                 return {"results": results, "index": index, "data": len(data)}, data
         return {"results": results, "index": index}, None
 
@@ -813,7 +805,7 @@ class RaftGroup(Generic[T]):
         if entries:
             last = entries[-1][0]
             through = last if last < cur.feed.last else max(last, done)
-        data = _pack_entries(entries)
+        data = pack_entries(entries)
         return {**self._feed_header(cur), "through": through, "data": len(data)}, data
 
     async def _feed_now(self, peer: str, msg: dict[str, Any]) -> Reply:

@@ -20,8 +20,10 @@ an index after two checks:
   index read before the round holds every write acknowledged by then.
 The answer is the index of the last command the leader has applied at or after that commit
 index (pysyncobj's own entries, no-ops and membership changes, change no state and are not
-handed to the node), and the reader waits until it has applied that far (a learner from its
-feed, a voter from its own log).
+handed to the node), and the reader waits until it has applied that far (a voter from its
+own log). A learner says what it has applied, and the entries after that up to the index
+come with the answer, from the leader's feed: without them it waited for its own feed,
+which brings them only once a follower has learned of the commit and applied them.
 
 Concurrent requests share a round, as concurrent barriers shared a no-op: a round that
 started after a request arrived answers it. Anything that fails (no leader known, a new
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from objcache.cluster.learner import FEED_REPLY_BYTES, Learner
 from objcache.cluster.membership import alive_at_raft
 from objcache.errors import NoQuorum
 from objcache.raft.node import RaftNode
@@ -44,7 +47,6 @@ from objcache.rounds import SharedRounds
 
 if TYPE_CHECKING:
     from objcache.cluster.client import PeerClient
-    from objcache.cluster.learner import Learner
     from objcache.cluster.membership import Member, Membership
     from objcache.cluster.peers import Handler, Reply
 
@@ -118,10 +120,19 @@ class ReadIndex:
         m = self._member_at(leader) if leader else None
         if m is None or m.id == self.membership.me.id:
             return None
-        got = await self.client.call(m.id, {"op": "raft_read_index", "group": self._group()},
-                                     max_data=0, timeout=TERM_ASK_TIMEOUT)
+        group = self._group()
+        learning = isinstance(cur, Learner)
+        ask: dict[str, Any] = {"op": "raft_read_index", "group": group}
+        if learning:
+            ask["after"] = cur.applied_index()
+        got = await self.client.call(m.id, ask, max_data=FEED_REPLY_BYTES if learning else 0,
+                                     timeout=TERM_ASK_TIMEOUT)
         index = None if got is None else got[0].get("index")
-        return index if isinstance(index, int) and not isinstance(index, bool) else None
+        if not isinstance(index, int) or isinstance(index, bool):
+            return None
+        if learning and got is not None and got[1] is not None and cur.group == group:
+            await cur.take(got[1], index)
+        return index
 
     def _member_at(self, raft_addr: str) -> Member | None:
         return alive_at_raft(self.membership, raft_addr)
@@ -136,8 +147,19 @@ class ReadIndex:
                 and (not isinstance(group, str) or not group or group == self._group())):
             with trio.move_on_after(READ_ROUND_WAIT + LEADER_APPLY_WAIT):
                 index = await self._confirmed(cur)
-        if index is not None:
-            self.served += 1
+        if index is None:
+            return {"index": None}, None
+        self.served += 1
+        # A learner's read waits until it has applied `index`: the entries it lacks come
+        # with the answer, where its feed would bring them only once a follower had
+        # learned of the commit, applied the entries and answered (one more hop, on
+        # another process that may be waiting for a core).
+        after = msg.get("after")
+        if (isinstance(after, int) and not isinstance(after, bool) and isinstance(cur, RaftNode)
+                and group == self._group()):
+            data = cur.feed.packed_through(after, index, FEED_REPLY_BYTES)
+            if data is not None:
+                return {"index": index, "data": len(data)}, data
         return {"index": index}, None
 
     async def _term(self, peer: str, msg: dict[str, Any]) -> Reply:

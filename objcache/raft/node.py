@@ -207,6 +207,23 @@ class Feed:
                 size += len(blob)
             return out
 
+    def packed_through(self, after: int, index: int, max_bytes: int) -> bytes | None:
+        """The entries after `after` up to at least `index`, packed as an answer carries
+        them (`pack_entries`); None if they are not all held or are more than
+        `max_bytes` (the asker's feed brings them instead)."""
+        if not 0 <= after < index:
+            return None
+        entries = self.since(after, max_bytes)
+        if not entries or not entries[0][0] <= index <= entries[-1][0]:
+            return None
+        return pack_entries(entries)
+
+
+def pack_entries(entries: list[tuple[int, bytes]]) -> bytes:
+    """Log entries (index, command) as a feed answer, a submit answer or a read index
+    carries them (objcache.cluster.learner's `take` reads them)."""
+    return msgpack.packb([[i, b] for i, b in entries], use_bin_type=True)
+
 
 @dataclass(frozen=True)
 class FeedHeader:

@@ -1,7 +1,8 @@
 """A learner's own command comes back with the log up to it: the voter's answer to
 `raft_submit` carries the entries the learner lacks, so the learner applies them at once
 instead of asking its feed to hurry and waiting for that answer as well. Write-back's
-commands (background) leave a learner lazy. One real voter in this process; the learner's
+commands (background) leave a learner lazy. A learner's read barrier gets the same from
+the leader's answer to `raft_read_index`. One real voter in this process; the learner's
 peer calls go straight to the voter's handlers."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import trio
 from objcache.cluster.learner import Learner
 from objcache.cluster.membership import Member
 from objcache.cluster.raftgroup import RaftGroup
+from objcache.cluster.readindex import ReadIndex
 from objcache.raft.node import RaftNode
 from tests.helpers.cluster import free_port
 from tests.helpers.raftlog import Log, submit_once_led
@@ -37,7 +39,8 @@ class Routed:
                    ) -> tuple[dict[str, Any], Any]:
         self.ops.append(msg["op"])
         handler = {"raft_submit": self.g._submit, "raft_feed": self.g._feed,
-                   "raft_feed_now": self.g._feed_now}[msg["op"]]
+                   "raft_feed_now": self.g._feed_now,
+                   "raft_read_index": self.g.reads._serve}[msg["op"]]
         return await handler("n1", msg)
 
 
@@ -86,5 +89,47 @@ async def test_a_learners_command_comes_back_with_the_log_up_to_it(tmp_path: Pat
         assert await learner._apply(data)
         await learner.submit({"name": "last"}, timeout=5)
         assert learner.state.seen[-3:] == ["claim", "fed", "last"]
+    finally:
+        node.destroy()
+
+
+async def test_a_learners_read_barrier_comes_back_with_the_log_up_to_it(tmp_path: Path
+                                                                         ) -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    node = RaftNode(addr, [addr], tmp_path / "m0", "k" * 32, Log())
+    g: RaftGroup[Any] = RaftGroup(FakeMembership(addr), None, None, addr,  # type: ignore[arg-type]
+                                  tmp_path / "g", "k" * 32, dict, lambda m, c: None)
+    g._current = node
+    g._token = trio.lowlevel.current_trio_token()
+    node.feed.on_add = g._wake_feed
+    client = Routed(g)
+
+    async def wait_applied(index: int, deadline: float, active: bool) -> None:
+        if learner.applied < index:
+            raise AssertionError(f"entry {index} was not applied when the answer came")
+
+    learner = Learner(client, FakeMembership(addr), Log(), [addr],  # type: ignore[arg-type]
+                      g.group, lambda m, c, i: None, wait_applied, lambda i: None)
+    reader = ReadIndex(FakeMembership(addr), client, lambda: learner,  # type: ignore[arg-type]
+                       lambda: g.group, wait_applied)
+    try:
+        await submit_once_led(node, "before", 20)
+        await learner._take(*await g._feed("n1", {"after": 0, "wait": 1.0}))  # a snapshot
+        assert learner.leader == addr and learner.state.seen == ["before"]
+        # (a new leader answers once it has committed an entry in its term after the
+        # first question: tests/unit/test_read_index.py)
+        await g.reads._serve("n1", {"group": g.group})
+        await node.submit({"name": "other"}, timeout=5)
+        await node.submit({"name": "more"}, timeout=5)
+        client.ops.clear()
+
+        assert await reader.barrier(5.0)
+        assert learner.state.seen == ["before", "other", "more"]
+        assert learner.applied == node.applied_index()
+        assert client.ops == ["raft_read_index"]  # no feed request, no hurry
+
+        # Nothing to bring: the answer is the index alone.
+        assert await reader.barrier(5.0)
+        assert learner.state.seen == ["before", "other", "more"]
     finally:
         node.destroy()
