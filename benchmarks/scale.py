@@ -320,7 +320,8 @@ class Scale:
                 "by_role": {k: round(max(v), 4) for k, v in by_role.items()}}
 
     def close_to_open(self, a: Mount, b: Mount, files: int, tag: str,
-                      under_writeback: bool = False) -> dict[str, Any]:
+                      under_writeback: bool = False, leader: Mount | None = None
+                      ) -> dict[str, Any]:
         """`files` round trips in batches of C2O_BATCH, each batch in a directory of its
         own. At rest (the default): each batch's files are flushed to S3 after it, outside
         the timing, so no batch meets write-back at any N. (In one stream of 200, the
@@ -328,7 +329,10 @@ class Scale:
         where a round trip is slower, and never at 3: the sizes were compared under
         different loads.) `under_writeback`: the same load at every N instead, one upload
         per round trip: after each round trip, the file written WRITEBACK_LAG round trips
-        before is queued for a flush, one file at a time, beside the round trips."""
+        before is queued for a flush, one file at a time, beside the round trips.
+        `leader`: the node whose status counts the log entries (found anew for each batch
+        when not given: the stopped learners of `close_to_open_frozen` cannot answer the
+        search)."""
         d = f"c2o-{tag}"
         (a.mnt / d).mkdir()
         os.listdir(b.mnt / d)
@@ -347,7 +351,8 @@ class Scale:
             sub = a.mnt / d / f"b{k}"
             sub.mkdir()
             os.listdir(b.mnt / d / f"b{k}")
-            v0 = raft_view(status(self.leader()))
+            lead = leader or self.leader()
+            v0 = raft_view(status(lead))
             cpu0, busy0, t0_all = (sum(cpu_seconds(p) for p in pids), machine_busy(),
                                    time.monotonic())
             for i in batch:
@@ -368,7 +373,7 @@ class Scale:
             wall += time.monotonic() - t0_all
             cpu += sum(cpu_seconds(p) for p in pids) - cpu0
             busy += machine_busy() - busy0
-            v1 = raft_view(status(self.leader()))
+            v1 = raft_view(status(lead))
             if v0 is not None and v1 is not None:  # (None: the leader changed meanwhile)
                 entries += v1.commit - v0.commit
                 commands += v1.commands - v0.commands
@@ -396,12 +401,13 @@ class Scale:
         seconds: less than membership takes to call them dead): what is left of the
         latency once the cluster's other daemons no longer compete for the CPU."""
         voters = set(self.voter_addrs())
+        leader = self.leader()
         others = [m for m in self.nodes if m is not a and m is not b
                   and raft_addr(m) not in voters and m.proc is not None]
         for m in others:
             os.kill(self.pid(m), signal.SIGSTOP)
         try:
-            r = self.close_to_open(a, b, files, f"{tag}-frozen")
+            r = self.close_to_open(a, b, files, f"{tag}-frozen", leader=leader)
         finally:
             for m in others:
                 os.kill(self.pid(m), signal.SIGCONT)
