@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import random
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -54,9 +55,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FEED_WAIT = 5.0  # a feed request waits this long for new entries before answering
-# ...and, once it has some, this long for more, unless the learner waits for an entry (a
-# read barrier, its own command): every entry woke every learner, and at 32 nodes on two
-# cores the learners' answers were what the round trips waited behind.
+# ...and, once it has some, about this long for more (jittered: see `run`), unless the
+# learner waits for an entry (a read barrier, its own command): every entry woke every
+# learner, and at 32 nodes on two cores the learners' answers were what the round trips
+# waited behind.
 LINGER = 0.2
 # A learner whose node waited for an entry (a read barrier, a command of its own) this
 # recently follows without lingering: its users are active, and a lookup answered from
@@ -143,7 +145,12 @@ class Learner:
                     continue
                 idle = (self._want <= self.applied
                         and trio.current_time() >= self._active_until)
-                linger = LINGER if idle else 0.0
+                # Jittered: a voter answers every caught-up learner's request when the
+                # next entry comes, so with one fixed linger all of them answered at the
+                # same moment, and 25 learners applying at once on two cores made the
+                # round trips that met them wait (close-to-open p99 at 32 nodes: 15.6-20.8
+                # ms with a fixed 0.2 s, 9.8-9.9 ms jittered; docs/benchmarks.md).
+                linger = LINGER * random.uniform(0.5, 1.5) if idle else 0.0
                 self._lingering = src if linger else None
                 try:
                     got = await self.client.call(
