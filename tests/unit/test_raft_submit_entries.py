@@ -44,7 +44,8 @@ class Routed:
         return await handler("n1", msg)
 
 
-async def test_a_learners_command_comes_back_with_the_log_up_to_it(tmp_path: Path) -> None:
+def _voter(tmp_path: Path) -> tuple[str, RaftNode, RaftGroup[Any], Routed]:
+    """A real voter, alone in its group, with the handlers a learner's calls go to."""
     addr = f"127.0.0.1:{free_port()}"
     node = RaftNode(addr, [addr], tmp_path / "m0", "k" * 32, Log())
     g: RaftGroup[Any] = RaftGroup(FakeMembership(addr), None, None, addr,  # type: ignore[arg-type]
@@ -52,7 +53,11 @@ async def test_a_learners_command_comes_back_with_the_log_up_to_it(tmp_path: Pat
     g._current = node
     g._token = trio.lowlevel.current_trio_token()
     node.feed.on_add = g._wake_feed
-    client = Routed(g)
+    return addr, node, g, Routed(g)
+
+
+async def test_a_learners_command_comes_back_with_the_log_up_to_it(tmp_path: Path) -> None:
+    addr, node, g, client = _voter(tmp_path)
     waits: list[tuple[int, bool]] = []
     progress: list[int] = []
 
@@ -95,14 +100,7 @@ async def test_a_learners_command_comes_back_with_the_log_up_to_it(tmp_path: Pat
 
 async def test_a_learners_read_barrier_comes_back_with_the_log_up_to_it(tmp_path: Path
                                                                          ) -> None:
-    addr = f"127.0.0.1:{free_port()}"
-    node = RaftNode(addr, [addr], tmp_path / "m0", "k" * 32, Log())
-    g: RaftGroup[Any] = RaftGroup(FakeMembership(addr), None, None, addr,  # type: ignore[arg-type]
-                                  tmp_path / "g", "k" * 32, dict, lambda m, c: None)
-    g._current = node
-    g._token = trio.lowlevel.current_trio_token()
-    node.feed.on_add = g._wake_feed
-    client = Routed(g)
+    addr, node, g, client = _voter(tmp_path)
 
     async def wait_applied(index: int, deadline: float, active: bool) -> None:
         if learner.applied < index:
