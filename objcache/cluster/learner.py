@@ -149,7 +149,7 @@ class Learner:
                 # next entry comes, so with one fixed linger all of them answered at the
                 # same moment, and 25 learners applying at once on two cores made the
                 # round trips that met them wait (close-to-open p99 at 32 nodes: 15.6-20.8
-                # ms with a fixed 0.2 s, 9.8-9.9 ms jittered; docs/benchmarks.md).
+                # ms with a fixed 0.2 s, 9.8-10.2 ms jittered; docs/benchmarks.md).
                 linger = LINGER * random.uniform(0.5, 1.5) if idle else 0.0
                 self._lingering = src if linger else None
                 try:
