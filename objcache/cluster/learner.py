@@ -280,14 +280,15 @@ class Learner:
             raise NoQuorum(f"{target} answered raft_submit without results")
         # The log up to our command came with the answer (objcache.cluster.raftgroup):
         # applied here now, the submitter needs no feed answer to wait for.
-        if got[1] is not None and self.group == group:
-            await self.take(got[1], index)
+        if got[1] is not None:
+            await self.take(got[1], index, group)
         return results, index
 
-    async def take(self, data: Any, index: int) -> None:
-        """Apply entries that came with an answer (a submit's, a read index's) of our
-        group, up to at least `index`, as if the feed had brought them."""
-        if index > self.applied and await self._apply(data):
+    async def take(self, data: Any, index: int, group: str) -> None:
+        """Apply entries that came with an answer (a submit's, a read index's) to a
+        request made in `group`, up to at least `index`, as if the feed had brought them;
+        nothing if we follow another group by now."""
+        if group == self.group and index > self.applied and await self._apply(data):
             self._on_progress(self.applied)
 
     def applied_index(self) -> int:

@@ -130,8 +130,8 @@ class ReadIndex:
         index = None if got is None else got[0].get("index")
         if not isinstance(index, int) or isinstance(index, bool):
             return None
-        if learning and got is not None and got[1] is not None and cur.group == group:
-            await cur.take(got[1], index)
+        if learning and got is not None and got[1] is not None:
+            await cur.take(got[1], index, group)
         return index
 
     def _member_at(self, raft_addr: str) -> Member | None:
