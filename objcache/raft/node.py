@@ -16,8 +16,10 @@ msgpack-able (a learner gets them over the peer protocol).
 
 The configuration is chosen from what was measured on these machines (see
 docs/architecture.md, "Raft"):
-- password: pysyncobj pickles commands on the wire, so every message is encrypted and
-  authenticated with the cluster secret (needs the `cryptography` package);
+- no password: pysyncobj pickles messages on the wire, so every frame must be
+  authenticated with the cluster secret, but pysyncobj's password mode also encrypts
+  them (Fernet); the frames are sealed instead (objcache.raft.guard.FrameSeal, given to
+  pysyncobj as its encryptor);
 - commands are msgpack bytes, so what is pickled is only bytes;
 - useFork=False: forking a multi-threaded daemon for log compaction is unsafe;
 - appendEntriesUseBatch=False: the batch period would add ~100 ms to every commit;
@@ -49,7 +51,7 @@ from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 
 from objcache.errors import NoQuorum
 from objcache.raft.follower_fix import FollowerFix
-from objcache.raft.guard import GuardedTransport
+from objcache.raft.guard import FrameSeal, GuardedTransport
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +79,9 @@ BATCHES_IN_FLIGHT = 2
 ANSWER_GRACE = 2.0  # a command sent to a leader gets this long past its timeout to answer
 
 
-def make_conf(data_dir: Path, secret: str, bind: str | None = None) -> SyncObjConf:
+def make_conf(data_dir: Path, bind: str | None = None) -> SyncObjConf:
     return SyncObjConf(
         bindAddress=bind,  # our own address: pysyncobj would bind 0.0.0.0
-        password=secret,
         useFork=False,
         appendEntriesUseBatch=False,
         journalFile=str(data_dir / "raft.journal"),
@@ -240,7 +241,7 @@ def _nothing() -> None:
 
 
 class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
-    def __init__(self, self_addr: str, partners: list[str], conf: SyncObjConf,
+    def __init__(self, self_addr: str, partners: list[str], conf: SyncObjConf, secret: str,
                  state: StateMachine, on_applied: Applied = _ignore,
                  joining: bool = False, wiped: bool = False) -> None:
         self.state = state
@@ -249,10 +250,15 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
         self._fed_state = state
         self.joining = joining  # see FollowerFix: no vote until caught up
         self.wiped = wiped  # see FollowerFix: nor an acknowledgement
+        self._seal = FrameSeal(secret)
         super().__init__(self_addr, partners, conf=conf, transportClass=GuardedTransport)
         # pysyncobj dumps (log compaction, a snapshot sent to a new follower) only hold
         # attributes set after its __init__: the state must be one of them.
         self._SyncObj__properies.discard("state")
+
+    @property
+    def encryptor(self) -> FrameSeal:  # what pysyncobj's transport seals frames with
+        return self._seal
 
     @replicated  # type: ignore[misc]
     def _apply(self, blob: bytes) -> Any:
@@ -387,7 +393,7 @@ class RaftNode:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.addr = self_addr
         self._replica = _Replica(self_addr, [p for p in partners if p != self_addr],
-                                 make_conf(data_dir, secret, self_addr), state, on_applied,
+                                 make_conf(data_dir, self_addr), secret, state, on_applied,
                                  joining, wiped)
         self.batcher = Batcher(self._send_batch)
 

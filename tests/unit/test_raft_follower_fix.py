@@ -20,10 +20,10 @@ CMD = b"\x00cmd"  # a regular command (type byte 0); never applied here
 
 class Follower:
     def __init__(self, tmp: Path, joining: bool = False, wiped: bool = False) -> None:
-        conf = make_conf(tmp, "secret")
+        conf = make_conf(tmp)
         conf.autoTick, conf.journalFile, conf.fullDumpFile = False, None, None
         self.replica = _Replica(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"],
-                                conf, ClusterState(), joining=joining, wiped=wiped)
+                                conf, "secret", ClusterState(), joining=joining, wiped=wiped)
         self.leader = next(iter(self.replica._SyncObj__otherNodes))
         self.sent: list[dict[str, Any]] = []
         self.replica._SyncObj__transport.send = lambda node, msg: self.sent.append(msg)
