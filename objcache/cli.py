@@ -368,8 +368,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
           f"retries {sum(s3['retries'].values())}")
     fu = st.get("fuse")
     if fu:
+        watched = fu.get("watched_files") or 0
         print(f"fuse:   {fu['mode']}; opens {fu['passthrough_opens']} passthrough, "
-              f"{fu['daemon_opens']} by the daemon; {fu['requests']} requests")
+              f"{fu['daemon_opens']} by the daemon; {fu['requests']} requests"
+              + (f"; {watched} files watched for writes through mappings" if watched else ""))
     cl = st.get("cluster")
     if cl:
         print(f"cluster: node {cl['node_id']} on {cl['listen']}, {len(cl['members'])} "

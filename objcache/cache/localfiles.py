@@ -34,9 +34,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FILL_PIECE = 8 << 20
-# A file written through passthrough is still looked at this long after its last writer
-# closed it: a shared mapping outlives the close, and the kernel tells us nothing of the
-# writes through it.
+# A file written through passthrough, by an open that could map it shared and writable
+# (O_RDWR), is still looked at this long after its last writer closed it: a shared mapping
+# outlives the close, and the kernel tells us nothing of the writes through it.
 BYPASS_WATCH = 60.0
 
 
@@ -115,7 +115,7 @@ class LocalFile:
                  "ctime_ns", "dirty", "aside",
                  "dirty_since", "etag", "version", "writers", "opens", "lock", "fd",
                  "last_change", "removed", "charged", "urgent", "shared", "unsharing",
-                 "sealed", "seal_broken", "bypass", "seen", "watch_until", "linked")
+                 "sealed", "seal_broken", "bypass", "mappable", "seen", "watch_until", "linked")
 
     def __init__(self, fid: int, key: str, path: str) -> None:
         self.fid = fid
@@ -152,6 +152,7 @@ class LocalFile:
         self.sealed = 0
         self.seal_broken = False
         self.bypass = 0
+        self.mappable = False  # a writer that bypasses us could map it (see bypass_opened)
         self.seen: tuple[int, int, int] | None = None
         self.watch_until = 0.0
 
@@ -501,18 +502,28 @@ class LocalFiles:
             return None
         return (st.st_size, st.st_mtime_ns, st.st_ctime_ns), st.st_blocks * 512
 
-    def bypass_opened(self, lf: LocalFile) -> None:
-        """A writer whose writes go to the data file without us (passthrough) opened it."""
+    def bypass_opened(self, lf: LocalFile, mappable: bool) -> None:
+        """A writer whose writes go to the data file without us (passthrough) opened it;
+        `mappable`: for reading and writing, so it may map the file shared and writable."""
         if lf.bypass == 0 and lf not in self.watched:
             self._seen_now(lf, watched=False)
         lf.bypass += 1
+        lf.mappable = lf.mappable or mappable
         self.watched.add(lf)
 
     def bypass_closed(self, lf: LocalFile) -> None:
         self.observe(lf)
         lf.bypass -= 1
         if lf.bypass == 0:
-            lf.watch_until = time.monotonic() + BYPASS_WATCH
+            if lf.mappable:
+                lf.watch_until = time.monotonic() + BYPASS_WATCH
+            else:
+                # No open that bypassed us could map it for writing (mmap needs O_RDWR
+                # for that): nothing writes it without us from now on. Watched for
+                # BYPASS_WATCH, each such file was looked at several times a second (a
+                # writer of 20 files a second watched 1,250 at once, and its heap grew
+                # with them, at 32 nodes: docs/benchmarks.md).
+                self.watched.discard(lf)
 
     def observe(self, lf: LocalFile) -> bool:
         """Take in what writes that bypassed us (passthrough, a shared mapping) did to a

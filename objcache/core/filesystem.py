@@ -121,6 +121,10 @@ BYPASS_LOOK = 0.2
 LANDING_PATIENCE = 2.0
 
 
+def _mappable(flags: int) -> bool:
+    """Whether an open with these flags may map the file shared and writable."""
+    return flags & os.O_ACCMODE == os.O_RDWR
+
 class KernelNotifier(Protocol):
     """What the FUSE layer does when something we told the kernel changed elsewhere."""
 
@@ -1306,7 +1310,7 @@ class Filesystem:
         source = self._source(inode)
         if self._landing(inode, lf, source):
             return None
-        return self._opened(inode, writable, source, lf)
+        return self._opened(inode, writable, source, lf, mappable=_mappable(flags))
 
     async def open(self, ino: int, flags: int) -> tuple[int, bool, int]:
         """Returns (file handle, whether the kernel may keep its cached pages, the
@@ -1334,7 +1338,7 @@ class Filesystem:
             if self._landing(inode, lf, source):
                 ref = source.ref  # type: ignore[attr-defined]
                 await self.router.landed(ref.key, ref.etag, ref.size, LANDING_PATIENCE)
-            return self._opened(inode, writable, source, lf)
+            return self._opened(inode, writable, source, lf, mappable=_mappable(flags))
         # Open (and a writer) from here on, before it waits below (the copy that unshares
         # a sealed blob):
         # - a working copy nobody had open could be dropped meanwhile (the RELEASE of the
@@ -1353,7 +1357,8 @@ class Filesystem:
             # A sealed blob sharing the working copy's file gets its own before a writer
             # may write the file (without us, through passthrough).
             await self.local.unshare(lf)
-            return self._opened(inode, True, self._source(inode), lf, counted=True)
+            return self._opened(inode, True, self._source(inode), lf, counted=True,
+                                mappable=_mappable(flags))
         except BaseException:
             self._uncount(lf, True)
             if not was_dirty and lf.dirty and lf.opens == 0 and not lf.removed:
@@ -1386,9 +1391,10 @@ class Filesystem:
             self.backend.released(lf)
 
     def _opened(self, inode: Inode, writable: bool, source: Source,
-                lf: LocalFile | None, counted: bool = False) -> tuple[int, bool, int]:
+                lf: LocalFile | None, counted: bool = False, mappable: bool = False
+                ) -> tuple[int, bool, int]:
         """`counted`: `lf` is counted as open already (by `open`)."""
-        fh = FileHandle(inode, writable, source, lf)
+        fh = FileHandle(inode, writable, source, lf, mappable=mappable)
         if lf is not None and not counted:
             self.local.opened(lf, writable)
         try:
@@ -1432,7 +1438,7 @@ class Filesystem:
             if h.lf is None:
                 h.lf = b.lf  # its writes go there, by the kernel
                 self.local.opened(b.lf, True)
-            self.local.bypass_opened(b.lf)
+            self.local.bypass_opened(b.lf, h.mappable)
         b.opens += 1
         h.backed = True
         self.passthrough.opens += 1
@@ -1525,7 +1531,7 @@ class Filesystem:
         inode.kernel_gen = inode.content_gen
         self._add_child(parent, name, inode)
         self.local.opened(lf, True)
-        h = FileHandle(inode, True, EMPTY, lf)
+        h = FileHandle(inode, True, EMPTY, lf, mappable=_mappable(flags))
         backing_id = self._pass_through(h)
         fh = self._new_handle(h)
         return fh, self.attr(inode), backing_id

@@ -108,10 +108,12 @@ class FileHandle:
     """An open file: its inode, whether it may write, where its bytes come from, the
     working copy it writes (made on the first write or O_TRUNC), and whether the kernel
     serves it from the inode's backing file (passthrough: its reads and writes never
-    reach us)."""
+    reach us). `mappable`: opened for reading and writing, the only open a shared
+    writable mapping can be made from (mmap(2): EACCES otherwise)."""
 
     inode: Inode
     writable: bool
     source: Source
     lf: LocalFile | None = None
     backed: bool = False
+    mappable: bool = False

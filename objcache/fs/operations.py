@@ -317,6 +317,9 @@ class FuseReport:
         return {"mode": pt.mode(), "protocol": f"7.{s.proto_minor}",
                 "passthrough_opens": pt.opens, "daemon_opens": pt.daemon_opens,
                 "daemon_read_bytes": pt.read_bytes, "daemon_written_bytes": pt.written_bytes,
+                # files written without the daemon (passthrough, shared mappings) that it
+                # looks at for changes
+                "watched_files": len(self.fs.local.watched),
                 "requests": s.requests, "requests_by_op": s.counts()}
 
 

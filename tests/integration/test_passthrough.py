@@ -416,8 +416,15 @@ def test_a_writer_open_here_while_another_node_replaces_the_file(cluster, mode):
 
 
 def test_a_mapping_written_after_close_reaches_s3(s3, bucket, mount, mode):  # type: ignore
+    """A file opened for reading and writing may be written through a shared mapping
+    after its close: the daemon looks at it for a while. One written through O_WRONLY
+    cannot be mapped (mmap needs read access): once released it is not looked at."""
     m = mount(*MODES[mode], "--writeback-delay", "0.5")
     (m.mnt / "map.bin").write_bytes(b"\0" * MiB)
+    deadline = time.monotonic() + 5  # (the RELEASE comes after close(2) returns)
+    while m.status()["fuse"]["watched_files"]:
+        assert time.monotonic() < deadline, "a file written O_WRONLY is still watched"
+        time.sleep(0.1)
     write_after_close(m.mnt / "map.bin", 4096, b"after close")
     deadline = time.monotonic() + 30
     while True:
