@@ -37,6 +37,7 @@ from objcache.entries import (
 )
 from objcache.errors import Gone, InDoubt, NoQuorum, ObjcacheError, StoreRefused
 from objcache.store.meta import parse_meta
+from objcache.ticks import next_tick, sleep_ticks
 from objcache.txn.flusher import ClusterFlusher
 from objcache.txn.overlay import OverlayStore
 
@@ -110,7 +111,7 @@ class ReplicatedBackend:
             for lf in list(self.local.dirty_files()):
                 if lf.writers and not lf.removed:
                     self.stager.poll(lf, nursery)
-            with trio.move_on_after(1.0):
+            with trio.move_on_at(next_tick(1.0)):
                 await self.local.changed.wait()
 
     # -- what is known beyond S3 ------------------------------------------------------------
@@ -403,7 +404,7 @@ class ReplicatedBackend:
 
     async def _linger(self, lf: LocalFile) -> None:
         while not lf.removed and lf.opens == 0 and self.local.bypassed(lf):
-            await trio.sleep(LINGER_LOOK)
+            await sleep_ticks(LINGER_LOOK)
             self.local.observe(lf)
             if lf.dirty and lf.opens == 0 and not lf.removed:
                 log.info("%r changed after its last close (a shared mapping?): committing "

@@ -28,6 +28,7 @@ from objcache.entries import FlushScope
 from objcache.errors import ObjcacheError, StoreError, StoreRefused, first_error
 from objcache.store import ObjectStore
 from objcache.store.meta import make_meta
+from objcache.ticks import next_tick
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class Writeback:
                     if self._due(lf, now, pressure):
                         self._running.add(lf.fid)
                         nursery.start_soon(self._background_upload, lf)
-                with trio.move_on_after(min(1.0, max(0.05, self.cfg.writeback_delay / 4))):
+                with trio.move_on_at(next_tick(min(1.0, max(0.05, self.cfg.writeback_delay / 4)))):
                     await self.local.changed.wait()
 
     async def _background_upload(self, lf: LocalFile) -> None:

@@ -46,6 +46,7 @@ import xxhash
 from objcache.cache.statedb import StateDB
 from objcache.config import disk_reserve
 from objcache.errors import StaleObject, StoreError, first_error
+from objcache.ticks import sleep_ticks
 
 if TYPE_CHECKING:
     from objcache.store import ObjectInfo, ObjectStore
@@ -739,7 +740,7 @@ class ChunkCache:
             task_status.started()
             try:
                 while True:
-                    await trio.sleep(5)
+                    await sleep_ticks(5)
                     self.flush_atimes()
                     idle = time.monotonic() - IDLE_BUFFER
                     for cid, f in list(self._recent.items()):

@@ -27,6 +27,7 @@ import trio
 
 from objcache.cache.statedb import StateDB
 from objcache.store import ObjectInfo
+from objcache.ticks import sleep_ticks
 
 MAX_ROWS = 2_000_000  # about 150 bytes each on disk
 BATCH = 512  # rows buffered before a write
@@ -90,7 +91,7 @@ class ObjectMeta:
         at most that much)."""
         task_status.started()
         while True:
-            await trio.sleep(BATCH_SECONDS)
+            await sleep_ticks(BATCH_SECONDS)
             self.flush()
 
     def get_many(self, versions: Sequence[tuple[str, str, int]]

@@ -22,6 +22,7 @@ from objcache.cache.objmeta import ObjectMeta, modified_s
 from objcache.cluster.peers import field_int
 from objcache.errors import ObjcacheError, ProtocolError
 from objcache.store import ObjectInfo
+from objcache.ticks import sleep_ticks
 
 if TYPE_CHECKING:
     from objcache.cluster.client import PeerClient
@@ -140,7 +141,7 @@ class SharedObjectMeta:
         """Send what was HEADed here to the keys' owners, every PUSH_SECONDS."""
         task_status.started()
         while True:
-            await trio.sleep(PUSH_SECONDS)
+            await sleep_ticks(PUSH_SECONDS)
             outbox, self._outbox = self._outbox, defaultdict(list)
             async with trio.open_nursery() as n:
                 for owner, items in outbox.items():

@@ -58,6 +58,7 @@ from objcache.cluster.peers import field_int, field_str, split_addr
 from objcache.cluster.readindex import ReadIndex
 from objcache.errors import NoQuorum, PeerError, ProtocolError
 from objcache.raft.node import RaftNode, StateMachine, pack_entries
+from objcache.ticks import next_tick, sleep_ticks
 
 if TYPE_CHECKING:
     from objcache.cluster.client import PeerClient
@@ -75,7 +76,7 @@ LEADERLESS_CHECK = 3.0  # a voter without a leader this long asks whether it sti
 MAX_FEED_WAIT = 10.0
 MAX_LINGER = 1.0
 FORM_WAIT = 3.0  # a starting node lets a member with a lower id form the group this long
-SUPERVISE_POLL = 0.2  # how often a waiting supervisor looks for a change to act on
+SUPERVISE_POLL = 0.25  # how often a waiting supervisor looks for a change to act on
 MAX_SUBMIT_COMMANDS = 10_000
 T = TypeVar("T")
 
@@ -533,9 +534,9 @@ class RaftGroup(Generic[T]):
         changed (a learner that joined is promoted within SUPERVISE_POLL of the leader
         hearing of it, not up to 2 s later: a 3-node cluster formed 2-4 s sooner)."""
         shape = self._shape()
-        with trio.move_on_after(period):
+        with trio.move_on_at(next_tick(period)):
             while True:
-                await trio.sleep(SUPERVISE_POLL)
+                await sleep_ticks(SUPERVISE_POLL)
                 if self._shape() != shape:
                     return
 

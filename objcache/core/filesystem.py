@@ -62,6 +62,7 @@ from objcache.errors import (
 )
 from objcache.store.meta import parse_meta
 from objcache.store.parts import max_size
+from objcache.ticks import sleep_ticks
 
 if TYPE_CHECKING:
     from objcache.cache.router import ChunkRouter
@@ -115,7 +116,7 @@ META_WASTE_MIN = 256
 META_WASTE_PAUSE = 30.0
 # How often files written through passthrough are looked at (their size and times: the
 # kernel tells us nothing of those writes; streaming write-back follows the size).
-BYPASS_LOOK = 0.2
+BYPASS_LOOK = 0.25
 # How long an open waits for the chunks of its object that are being written to the cache
 # disk, when they are all that keeps it from being passed through.
 LANDING_PATIENCE = 2.0
@@ -317,7 +318,7 @@ class Filesystem:
 
     async def _look_at_bypassed(self) -> None:
         while True:
-            await trio.sleep(BYPASS_LOOK)
+            await sleep_ticks(BYPASS_LOOK)
             if self.local.watched:
                 self.local.observe_all()
 

@@ -37,6 +37,7 @@ from objcache.entries import DirEntry, Entry, FileEntry, FlushScope, Tombstone
 from objcache.errors import NoQuorum, ObjcacheError, StaleObject, StoreError, StoreRefused
 from objcache.store.meta import make_meta
 from objcache.store.s3 import attempt_timeout
+from objcache.ticks import next_tick
 
 if TYPE_CHECKING:
     from objcache.cache.chunks import ChunkCache
@@ -125,7 +126,7 @@ class ClusterFlusher:
                         with st.lock:
                             referenced = st.ns.cids()
                         self.dirty.gc(referenced)
-                with trio.move_on_after(0.5):
+                with trio.move_on_at(next_tick(0.5)):
                     await self.wake.wait()
 
     async def _one(self, key: str, e: Entry) -> None:
