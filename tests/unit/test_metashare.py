@@ -37,8 +37,9 @@ async def test_a_refusing_owner_is_a_miss_and_the_push_goes_on(tmp_path: Path) -
     assert await shared.lookup(listed) == {"d/a": {"mode": "33188"}}  # b: a miss
     async with trio.open_nursery() as n:
         await n.start(shared.run)
-        await trio.sleep(0.7)  # the push of a's answer: refused
+        # (pushes go out on the process's 0.25 s grid: PUSH_SECONDS to 0.25 s later)
+        await trio.sleep(0.8)  # the push of a's answer: refused
         shared.remember(ObjectInfo("d/c", 1, '"e3"', 0, {}))
-        await trio.sleep(0.7)  # the loop goes on: c's push, refused too
+        await trio.sleep(0.8)  # the loop goes on: c's push, refused too
         n.cancel_scope.cancel()
     assert client.calls == 3  # one meta.get, two meta.put
