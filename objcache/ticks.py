@@ -8,7 +8,7 @@ than what the loops then do: a trio loop that sleeps 0.1 s at a time spends 0.43
 of CPU per wake-up (cold caches; a bare `time.sleep` wake-up 0.03-0.05 ms). Nine loops
 like the daemon's spent 7.6 ms of CPU a second at 18 wake-ups a second; on the grid, 2.3
 ms at 4.3 (`python -m benchmarks.wakeups`). An idle learner of a 32-node cluster spent
-7.3-8.3 ms of CPU a second at 20-21 wake-ups; on the grid, 5.0-5.5 ms at 10 (the rest:
+7.8-8.3 ms of CPU a second at 20-21 wake-ups; on the grid, 5.6-5.8 ms at 10 (the rest:
 membership pings, which keep their own timing, and the answers to other nodes' pings).
 
 Here a periodic loop sleeps until a point of this process's grid (`GRID` apart): the loops

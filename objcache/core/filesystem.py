@@ -126,6 +126,7 @@ def _mappable(flags: int) -> bool:
     """Whether an open with these flags may map the file shared and writable."""
     return flags & os.O_ACCMODE == os.O_RDWR
 
+
 class KernelNotifier(Protocol):
     """What the FUSE layer does when something we told the kernel changed elsewhere."""
 
