@@ -526,9 +526,12 @@ class Scale:
             s["cache"]["bytes_read_from_s3"] for s in sts) - s3_0
         # a node leaves (not the reader, not the newcomer)
         leaver = self.nodes[n // 2]
-        s3_1 = sum(s["cache"]["bytes_read_from_s3"] for s in sts)
+        # (the baseline counts the nodes that stay: the leaver's own counters leave with
+        # it, and counting them made the figure negative once, by a chunk it had fetched)
+        gone = status(leaver)["pid"]
+        s3_1 = sum(s["cache"]["bytes_read_from_s3"] for s in sts if s["pid"] != gone)
         fetched_1 = sum(s["cache"]["bytes_fetched_from_peers"] for s in sts
-                        if s["pid"] != status(reader)["pid"])
+                        if s["pid"] not in (status(reader)["pid"], gone))
         t0 = time.perf_counter()
         objcache("drain", str(leaver.mnt), timeout=300)
         leaver.wait_exit(120)
