@@ -120,7 +120,7 @@ class Writeback:
                 if raise_errors or self.quarantine.refused(key):
                     await self._quarantine(lf, str(e))
                     return
-                log.error("S3 refused %r (retried in %.0fs, then quarantined): %s", key,
+                log.error("S3 refused %r (retried in %gs, then quarantined): %s", key,
                           self.retry_after, e)
                 return
             except ObjcacheError as e:
@@ -146,10 +146,13 @@ class Writeback:
     async def _quarantine(self, lf: LocalFile, error: str) -> None:
         """Move a refused file's bytes to the quarantine and forget it (the caller holds
         its lock): the name shows S3's version again, if there is one."""
-        await self.quarantine.put(lf.key, lf.path, lf.size, error)
         key = lf.key
-        self.local.remove(lf)
-        self.on_quarantined(key)
+
+        async def drop() -> None:
+            self.local.remove(lf)
+            self.on_quarantined(key)
+
+        await self.quarantine.put(key, lf.path, lf.size, error, drop)
 
     async def flush(self, scope: FlushScope, deadline: float | None = None) -> int:
         """Return once nothing dirty is left in `scope` ("mine" is everything: one node

@@ -2,10 +2,10 @@
 
 A write-back that S3 refuses with a permanent error (a 4xx other than throttling: a key the
 server does not accept, a bucket policy, an object lock) is retried a few times; then the
-file's bytes are moved to `lost+found/` in the cache dir, next to a JSON note with its key,
-size, error and time, and the file leaves the dirty set. Nothing is deleted: an operator
-copies the bytes back under a name S3 accepts (see docs/operations.md). `status` and the
-metrics count what is there.
+file's bytes are moved to `lost+found/` in the cache dir, the file leaves the dirty set (its
+name shows S3's version again), and a JSON note with its key, size, error and time is
+written next to the bytes, last. Nothing is deleted: an operator copies the bytes back under
+a name S3 accepts (see docs/operations.md). `status` and the metrics count what is there.
 """
 
 from __future__ import annotations
@@ -64,31 +64,32 @@ class Quarantine:
         """`key` went up (or went away): its refusals no longer count."""
         self._refusals.pop(key, None)
 
-    async def put(self, key: str, data_path: str | None, size: int, error: str
-                  ) -> Quarantined:
+    async def put(self, key: str, data_path: str | None, size: int, error: str,
+                  drop: Callable[[], Awaitable[None]]) -> Quarantined:
         """Keep `size` bytes of `data_path` (None: a change without data, such as a
-        refused delete) under lost+found/ with a note. A hard link when possible (the
-        caller may then drop its own name), else a copy."""
+        refused delete) under lost+found/ (a hard link when possible, else a copy), then
+        `drop` the name, then write the note."""
         base = self._base(key)
         target = str(base) if data_path is not None else ""
 
         def keep() -> None:
-            if data_path is not None:
-                try:
-                    os.link(data_path, target)
-                except OSError:
-                    shutil.copyfile(data_path, target)
-                if os.stat(target).st_size > size:  # a data file may be longer than
-                    # the file it held; (a truncate to the same size would still move the
-                    # mtime of a working copy the file may share: a change to commit)
-                    os.truncate(target, size)
-            self._note(base, key, size, error, target)
+            if data_path is None:
+                return
+            try:
+                os.link(data_path, target)
+            except OSError:
+                shutil.copyfile(data_path, target)
+            if os.stat(target).st_size > size:  # a data file may be longer than the
+                # file it held; (a truncate to the same size would still move the mtime of
+                # a working copy the file may share: a change to commit)
+                os.truncate(target, size)
 
         await trio.to_thread.run_sync(keep, limiter=self.io)
-        return self._kept(key, target, size, error)
+        return await self._drop_then_note(base, key, size, error, target, drop)
 
     async def put_pieces(self, key: str, size: int, error: str,
-                         read: Callable[[int, int], Awaitable[bytes]]) -> Quarantined:
+                         read: Callable[[int, int], Awaitable[bytes]],
+                         drop: Callable[[], Awaitable[None]]) -> Quarantined:
         """The same for bytes read piece by piece (`read(offset, length)`), such as an S3
         object about to be deleted."""
         base = self._base(key)
@@ -97,9 +98,23 @@ class Quarantine:
             for off in range(0, size, PIECE):
                 data = await read(off, min(PIECE, size - off))
                 await trio.to_thread.run_sync(f.write, data, limiter=self.io)
-        await trio.to_thread.run_sync(self._note, base, key, size, error, target,
-                                      limiter=self.io)
-        return self._kept(key, target, size, error)
+        return await self._drop_then_note(base, key, size, error, target, drop)
+
+    async def _drop_then_note(self, base: Path, key: str, size: int, error: str,
+                              target: str, drop: Callable[[], Awaitable[None]]
+                              ) -> Quarantined:
+        """The note comes last, so that once it is there the name shows S3's version
+        again on every node (a script that waits for it may read the name at once). It is
+        written even if the drop failed: the bytes are kept either way, and the file,
+        still dirty, comes back here later."""
+        try:
+            await drop()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self._note, base, key, size, error, target,
+                                              limiter=self.io)
+            kept = self._kept(key, target, size, error)
+        return kept
 
     def _base(self, key: str) -> Path:
         stamp = time.strftime("%Y%m%dT%H%M%S")

@@ -145,13 +145,13 @@ class ClusterFlusher:
             if self.quarantine.refused(key) or urgent:
                 await self._quarantine(key, e, str(ex))
             else:
-                log.error("S3 refused %r (retried in %.0fs, then quarantined): %s", key,
+                log.error("S3 refused %r (retried in %gs, then quarantined): %s", key,
                           self.retry_after, ex)
         except ObjcacheError as ex:
             self.failed += 1
             self._failed[key] = time.monotonic()
             self._errors[key] = (time.monotonic(), ex)
-            log.warning("write-back of %r failed (it stays dirty, retried in %.0fs): %s",
+            log.warning("write-back of %r failed (it stays dirty, retried in %gs): %s",
                         key, self.retry_after, ex)
         except Exception:
             self.failed += 1
@@ -172,10 +172,15 @@ class ClusterFlusher:
         """Keep the refused entry's bytes here, then drop the entry (if it is still the
         version that was refused)."""
         q = self.quarantine
+
+        async def drop() -> None:
+            await self.txn.submit({"op": "ns.clean", "key": key, "ver": e.ver,
+                                   "etag": None, "stored": False}, background=True)
+
         if isinstance(e, FileEntry) and e.cid:
             if not self.dirty.has(e.cid):
                 await self.txn.pull(e.cid, e.size, list(e.holders))
-            await q.put(key, str(self.dirty.path(e.cid)), e.size, error)
+            await q.put(key, str(self.dirty.path(e.cid)), e.size, error, drop)
         elif isinstance(e, FileEntry) and e.base:
             # A renamed S3 object whose copy is refused: its bytes, before the tombstone
             # of its old key may delete them.
@@ -184,18 +189,16 @@ class ClusterFlusher:
             async def piece(off: int, n: int) -> bytes:
                 return await self.store.get_range(base.key, base.etag, off, n)
 
-            await q.put_pieces(key, base.size, error, piece)
+            await q.put_pieces(key, base.size, error, piece, drop)
         elif isinstance(e, FileEntry) and e.target is not None:
             body = e.target
 
             async def whole(off: int, n: int) -> bytes:
                 return body[off:off + n]
 
-            await q.put_pieces(key, len(body), error, whole)
+            await q.put_pieces(key, len(body), error, whole, drop)
         else:
-            await q.put(key, None, 0, error)  # a marker, a delete: no bytes
-        await self.txn.submit({"op": "ns.clean", "key": key, "ver": e.ver, "etag": None,
-                               "stored": False}, background=True)
+            await q.put(key, None, 0, error, drop)  # a marker, a delete: no bytes
 
     async def _claim(self, key: str, e: Entry) -> None:
         """The right to write `key` to S3 at version `e.ver` now (see the module
