@@ -103,8 +103,8 @@ class Quarantine:
     async def _drop_then_note(self, base: Path, key: str, size: int, error: str,
                               target: str, drop: Callable[[], Awaitable[None]]
                               ) -> Quarantined:
-        """The note comes last, so that once it is there the name shows S3's version
-        again on every node (a script that waits for it may read the name at once). It is
+        """The note comes last, so that once it is there the drop is committed (a script
+        that waits for the note sees S3's version when it opens the name). It is
         written even if the drop failed: the bytes are kept either way, and the file,
         still dirty, comes back here later."""
         try:
