@@ -245,6 +245,13 @@ class PeerPool:
                 if isinstance(e, PeerError):
                     raise
                 raise PeerError(f"connection to peer {addr} failed: {e}") from None
+            except BaseException:
+                # Cancelled mid-request (a caller's deadline): the answer may still come
+                # on this connection, so it is closed, not pooled; left to the garbage
+                # collector, it stayed open until a collection, and the peer's side of
+                # it until the peer's idle timeout.
+                await _close(conn.fs)
+                raise
             conn.reused = True
             pool = self._idle.setdefault(addr, [])
             if len(pool) < MAX_IDLE_PER_PEER:

@@ -132,3 +132,29 @@ async def test_an_answered_reply_is_not_kept_while_the_connection_waits(
     gc.collect()
     assert sent and sent[0]() is None, "the server still holds the reply it sent"
     await pool.aclose()
+
+
+@pytest.mark.filterwarnings("error::ResourceWarning",
+                            "error::pytest.PytestUnraisableExceptionWarning")
+async def test_a_request_cancelled_mid_way_closes_its_connection(
+        nursery: trio.Nursery) -> None:
+    """A read barrier's deadline cancels its request to the leader: the connection, whose
+    answer may still come, is closed at once, not pooled (it was left to the garbage
+    collector: "unclosed socket")."""
+    async def handler(peer: str, msg: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        await trio.sleep(0.3)
+        return {"ok": True}, None
+
+    server = PeerServer(KEY, handler)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    await nursery.start(trio.serve_listeners, server.serve_one, listeners)
+    addr = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    pool = PeerPool(KEY, "node-a")
+    with trio.move_on_after(0.1):
+        await pool.request(addr, {"op": "slow"}, timeout=5)
+    gc.collect()  # an unclosed socket is found here
+    assert not pool._idle.get(addr)
+    with trio.fail_after(3):  # the server answers, then finds the connection closed
+        while server.connections:
+            await trio.sleep(0.02)
+    await pool.aclose()
