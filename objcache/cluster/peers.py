@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 2.0
 IDLE_TIMEOUT = 300.0  # server side: an authenticated connection silent this long is closed
+# Client side: a pooled connection idle this long is closed, not reused. Well below the
+# peer's IDLE_TIMEOUT: one reused as the peer closes it finds it closed (see `_request`).
+POOL_IDLE = 60.0
 MAX_CONNECTIONS = 1024
 MAX_IDLE_PER_PEER = 16
 
@@ -151,11 +154,12 @@ class PeerServer:
 
 
 class _Conn:
-    __slots__ = ("fs", "reused")
+    __slots__ = ("fs", "idle_since", "reused")
 
     def __init__(self, fs: FrameStream) -> None:
         self.fs = fs
         self.reused = False
+        self.idle_since = 0.0  # (trio time) when it last went back to the pool
 
 
 class PeerPool:
@@ -215,8 +219,13 @@ class PeerPool:
                        into: memoryview | None, progress: Progress | None
                        ) -> tuple[dict[str, Any], bytearray | memoryview | None]:
         for attempt in range(2):
-            idle = self._idle.get(addr)
-            conn = idle.pop() if idle else await self._connect(addr)
+            # The retry after a pooled connection failed goes on a new one: the others in
+            # the pool are as old (two readers' pooled connections to an owner, idle for
+            # the peer's IDLE_TIMEOUT, all closed at once: each read tried two of them,
+            # failed, suspected the owner and read S3 instead: a chunk fetched twice).
+            conn = await self._pooled(addr) if attempt == 0 else None
+            if conn is None:
+                conn = await self._connect(addr)
             try:
                 with trio.fail_after(timeout):
                     await conn.fs.send_msg(msg)
@@ -253,6 +262,7 @@ class PeerPool:
                 await _close(conn.fs)
                 raise
             conn.reused = True
+            conn.idle_since = trio.current_time()
             pool = self._idle.setdefault(addr, [])
             if len(pool) < MAX_IDLE_PER_PEER:
                 pool.append(conn)
@@ -262,6 +272,20 @@ class PeerPool:
                 raise _remote_error(addr, reply)
             return reply, data
         raise AssertionError("unreachable")
+
+    async def _pooled(self, addr: str) -> _Conn | None:
+        """The most recently used pooled connection to `addr` that has not been idle for
+        POOL_IDLE (those that have are closed); None if there is none."""
+        idle = self._idle.get(addr)
+        if not idle:
+            return None
+        limit = trio.current_time() - POOL_IDLE
+        stale = [c for c in idle if c.idle_since < limit]
+        if stale:
+            idle[:] = [c for c in idle if c.idle_since >= limit]
+            for c in stale:
+                await _close(c.fs)
+        return idle.pop() if idle else None
 
     async def forget(self, addr: str) -> None:
         """Close the idle connections to a peer that left or died."""
