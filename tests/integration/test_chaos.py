@@ -17,6 +17,7 @@ from tests.helpers import chaos
 
 def test_chaos_short(cluster, s3, bucket):  # type: ignore[no-untyped-def]
     seed = int(os.environ.get("CHAOS_SEED", time.time_ns() % 1_000_000))
+    print(f"chaos seed {seed} (CHAOS_SEED={seed} repeats this run)", flush=True)
     res = chaos.run(cluster, s3, bucket, seconds=12, seed=seed)
     print(f"chaos seed {seed}: {len(res.events)} events, {res.acknowledged} files "
           f"acknowledged, longest recovery {res.longest_recovery:.1f}s: {res.events}")
