@@ -196,11 +196,33 @@ class RaftGroup(Generic[T]):
         self.reads.bind(nursery)
         await self._enter_group()
         nursery.start_soon(self._supervise)
+        t0 = trio.current_time()
         if not await self._catch_up(self.catch_up_wait):
             log.warning("could not catch up with the cluster's log in %.0fs; mounting anyway "
                         "(changes appear as they are applied; write-back waits until "
                         "caught up)", self.catch_up_wait)
             nursery.start_soon(self._catch_up, math.inf)
+        elif not await self._wait_voting(t0 + self.catch_up_wait):
+            log.warning("the group counts this node as a voter, and its voter has not caught "
+                        "up with the log in %.0fs; mounting anyway (the group has one "
+                        "voter fewer until it does)", self.catch_up_wait)
+
+    def _counted_not_voting(self) -> bool:
+        """Whether the group counts our address as a voter while our member cannot vote
+        yet (restarted without its log, or before its voter caught up)."""
+        cur = self._current
+        if isinstance(cur, Learner):
+            return self._promoting is not None or self.addr in cur.voters
+        return isinstance(cur, RaftNode) and not cur.voting
+
+    async def _wait_voting(self, deadline: float) -> bool:
+        """Until we are not `_counted_not_voting`, at most until `deadline`: a node is
+        ready (mounted) only once the group's voters it counts all hold the log again."""
+        with trio.move_on_at(deadline):
+            while self._counted_not_voting():
+                await trio.sleep(0.1)
+            return True
+        return False
 
     async def _catch_up(self, timeout: float) -> bool:
         """Until a barrier passes through the log (then `ready`), at most `timeout`."""
@@ -334,10 +356,12 @@ class RaftGroup(Generic[T]):
         """`joining`: our journal is empty and the group's log is not; we do not vote until
         caught up. `wiped`: the group counts our address as a voter already; we do not
         count toward a commit until caught up either."""
-        self._save_group(partners)
         node = RaftNode(self.addr, partners, self.dir, self.secret, self.new_state(),
                         lambda m, c, i: self._applied_by(tag, m, c, i),
                         joining=joining, wiped=wiped)
+        # (after the node: a restart finds partners.json only beside a journal that knows
+        # whether it was still joining)
+        self._save_group(partners)
         node.feed.on_add = self._wake_feed
         log.info("raft member %s started with partners %s", self.addr, partners or "none")
         return node
@@ -353,7 +377,9 @@ class RaftGroup(Generic[T]):
         got = await self.client.call(m.id, {"op": "raft_members"}, max_data=0, timeout=10.0)
         found = None if got is None else got[0].get("members")
         group = None if got is None else got[0].get("group")
-        voters = [str(a) for a in found if a != self.addr] if isinstance(found, list) else []
+        # (our own address too, as the feed's answers name it: a node back without its
+        # cache dir sees at once that the group counts it, and starts its voter 2 s sooner)
+        voters = [str(a) for a in found] if isinstance(found, list) else []
         return voters, group if isinstance(group, str) else ""
 
     async def _become_learner_of(self, best: Member | None,
@@ -425,14 +451,31 @@ class RaftGroup(Generic[T]):
         self._nursery.start_soon(self._hand_over, node, tag)
 
     async def _hand_over(self, node: RaftNode, tag: _Tag) -> None:
-        """Once the new voter has a leader and has applied as far as the learner, it
+        """Once the new voter has a leader, votes and has applied as far as the learner, it
         becomes this node's member; until then the learner serves."""
         deadline = trio.current_time() + PROMOTE_WAIT
+        nudged = trio.current_time()
         while True:
             if self._promoting is not node:
                 return
             st = node.status()
-            if st["leader"] and node.applied_index() >= self._learner_applied():
+            if st["leader"] and not node.voting and trio.current_time() - nudged > 1.0:
+                # It votes once it holds a commit the leader made after it first heard from
+                # it; an idle group makes none: one no-op through the learner.
+                nudged = trio.current_time()
+                with trio.move_on_after(2.0):
+                    try:
+                        if self.learner is not None:
+                            await self.learner.submit({"op": "ns.noop"}, timeout=2.0)
+                    except NoQuorum:
+                        pass
+                continue
+            # (voting: until then the group has one voter fewer than it counts, and this
+            # node must not look ready: a second node restarted without its cache dir
+            # meanwhile left a group of three with one voter holding the log, and none
+            # could be elected again: the partition nemesis, seeds 1953 and 1971)
+            if (st["leader"] and node.voting
+                    and node.applied_index() >= self._learner_applied()):
                 break
             if trio.current_time() > deadline:
                 log.warning("raft: the new voter did not catch up in %.0fs; staying a "

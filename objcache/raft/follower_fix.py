@@ -112,6 +112,10 @@ class FollowerFix:
                 monotonic() + self._SyncObj__generateRaftTimeout())  # type: ignore
             log.info("raft: caught up with the leader's log (index %d, term %d); voting "
                      "from now on", commit, got[0][2])
+            self.on_caught_up()
+
+    def on_caught_up(self) -> None:
+        """Called on pysyncobj's thread once `joining` is cleared."""
 
     def _onTick(self, timeToWait: float = 0.0) -> Any:
         if self.joining:  # no candidacy either: push the election deadline on

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from objcache.raft.node import _Replica, make_conf
+from objcache.raft.node import JOINING_MARK, RaftNode, _Replica, make_conf
 from objcache.txn.state import ClusterState
 from tests.helpers.cluster import free_port
 
@@ -19,11 +19,13 @@ CMD = b"\x00cmd"  # a regular command (type byte 0); never applied here
 
 
 class Follower:
-    def __init__(self, tmp: Path, joining: bool = False, wiped: bool = False) -> None:
+    def __init__(self, tmp: Path, joining: bool = False, wiped: bool = False,
+                 mark: Path | None = None) -> None:
         conf = make_conf(tmp)
         conf.autoTick, conf.journalFile, conf.fullDumpFile = False, None, None
         self.replica = _Replica(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{free_port()}"],
-                                conf, "secret", ClusterState(), joining=joining, wiped=wiped)
+                                conf, "secret", ClusterState(), joining=joining, wiped=wiped,
+                                joining_mark=mark)
         self.leader = next(iter(self.replica._SyncObj__otherNodes))
         self.sent: list[dict[str, Any]] = []
         self.replica._SyncObj__transport.send = lambda node, msg: self.sent.append(msg)
@@ -186,3 +188,34 @@ def test_leader_forgets_what_a_wiped_members_previous_incarnation_acknowledged(
         "type": "next_node_idx", "next_node_idx": 1, "reset": True, "success": False,
         "joining": True})
     assert r._SyncObj__raftMatchIndex[follower.leader] == 0
+
+
+def test_a_member_killed_while_joining_restarts_joining(tmp_path: Path) -> None:
+    # A promoted learner's voter, or a wiped voter, killed before it caught up: its journal
+    # holds part of the log, and on its own it would let the restart vote as if it held
+    # every committed entry. The mark in its data dir keeps it joining (and wiped: the
+    # group may count its address) until it catches up.
+    addr, other = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    node = RaftNode(addr, [other], tmp_path, "secret", ClusterState(), joining=True)
+    try:
+        assert (tmp_path / JOINING_MARK).exists() and not node.voting
+    finally:
+        node.destroy_synchronous()
+    node = RaftNode(addr, [other], tmp_path, "secret", ClusterState())
+    try:
+        assert not node.voting and node._replica.wiped
+    finally:
+        node.destroy_synchronous()
+
+
+def test_the_joining_mark_goes_once_caught_up(tmp_path: Path) -> None:
+    mark = tmp_path / JOINING_MARK
+    mark.write_bytes(b"")
+    f = Follower(tmp_path, joining=True, mark=mark)
+    try:
+        f.append(6, (1, 0), [(2, 1), (3, 6)], commit=2)
+        assert f.replica.joining and mark.exists()
+        f.append(6, (3, 6), [], commit=3)
+        assert not f.replica.joining and not mark.exists()
+    finally:
+        f.replica.destroy()
