@@ -90,14 +90,30 @@ class ReplicatedBackend:
         self.stager = Stager(txn, dirty, local, cfg.chunk_size)
         self._nursery: trio.Nursery | None = None
         self._applied = applied
+        self.restore_wait = cfg.catch_up_seconds
         self._withdrawn: set[int] = set()  # working copies whose close failed (`_withdraw`)
         self.uid, self.gid = os.getuid(), os.getgid()  # owner of objects without metadata
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
-        task_status.started()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            # Ready (mounted) once the copies this node held before it lost its cache
+            # dir are back, at most --catch-up-seconds: a rolling restart that waits for
+            # the mount then never replaces a file's last holder (objcache.txn.coordinator).
+            restored = trio.Event()
+
+            async def restore() -> None:
+                await self.txn.restore_copies()
+                restored.set()
+
+            nursery.start_soon(restore)
+            with trio.move_on_after(self.restore_wait):
+                await restored.wait()
+            if not restored.is_set():
+                log.warning("mounting before this node's copies of closed files are pulled "
+                            "again (%.0fs); they go on in the background", self.restore_wait)
+            task_status.started()
             nursery.start_soon(self.flusher.run)
             nursery.start_soon(self.txn.settle_loop)
             await self._stage_while_writing(nursery)

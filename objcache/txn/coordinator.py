@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from objcache.cluster.peers import field_int, field_str
+from objcache.entries import FileEntry
 from objcache.errors import (
     InDoubt,
     NoQuorum,
     NotFound,
+    ObjcacheError,
     PeerError,
     ProtocolError,
     StaleObject,
@@ -328,6 +330,42 @@ class TxnClient:
             log.warning("%r closed with %d copies (wanted %d): not enough live nodes",
                         key, len(holders), self.replicas)
         return holders
+
+    async def restore_copies(self) -> None:
+        """Pull again every blob the log names this node a holder of and our dirty store
+        lacks: the cache dir was lost (a node replaced, an emptyDir volume). Until then
+        those files have one copy fewer than their close made, and a rolling restart
+        that replaced their other holder next lost them for good (ESTALE: "no longer
+        held"). Waits (unbounded; the caller bounds its own wait) until caught up, so
+        that the entries are the group's."""
+        while not self.caught_up():
+            await trio.sleep(0.2)
+        st = self.state
+        with st.lock:
+            lost = {e.cid: e for e in st.ns.entries.values()
+                    if isinstance(e, FileEntry) and e.cid and self.node_id in e.holders
+                    and not self.dirty.has(e.cid)}
+        if not lost:
+            return
+        log.warning("%d closed files name this node a holder and their bytes are not in "
+                    "its cache dir (lost with it): pulling them again", len(lost))
+        limit = trio.CapacityLimiter(4)
+        failed: list[str] = []
+
+        async def one(e: FileEntry) -> None:
+            assert e.cid is not None
+            async with limit:
+                try:
+                    await self.pull(e.cid, e.size, list(e.holders))
+                except (ObjcacheError, OSError) as ex:  # (no holder left, disk full)
+                    failed.append(e.cid)
+                    log.error("could not pull blob %s again: %s", e.cid, ex)
+
+        async with trio.open_nursery() as nursery:
+            for e in lost.values():
+                nursery.start_soon(one, e)
+        log.info("pulled %d blobs this node holds again (%d failed)",
+                 len(lost) - len(failed), len(failed))
 
     async def read_blob(self, cid: str, holders: list[str], offset: int, length: int
                         ) -> bytes:
