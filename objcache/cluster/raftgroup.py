@@ -195,6 +195,9 @@ class RaftGroup(Generic[T]):
         self._nursery = nursery
         self.reads.bind(nursery)
         await self._enter_group()
+        # (back without our log at an address the group counts: not a new member being
+        # promoted, which the group counts only once its voter started)
+        counted = self._counted_not_voting()
         nursery.start_soon(self._supervise)
         t0 = trio.current_time()
         if not await self._catch_up(self.catch_up_wait):
@@ -202,7 +205,7 @@ class RaftGroup(Generic[T]):
                         "(changes appear as they are applied; write-back waits until "
                         "caught up)", self.catch_up_wait)
             nursery.start_soon(self._catch_up, math.inf)
-        elif not await self._wait_voting(t0 + self.catch_up_wait):
+        elif counted and not await self._wait_voting(t0 + self.catch_up_wait):
             log.warning("the group counts this node as a voter, and its voter has not caught "
                         "up with the log in %.0fs; mounting anyway (the group has one "
                         "voter fewer until it does)", self.catch_up_wait)
