@@ -40,6 +40,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--voters", type=int, default=None,
+                    help="at most this many members vote; the others are learners "
+                    "(default: all)")
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--seed", type=int, default=None, help="first seed (default: time)")
     ap.add_argument("--verbose", action="store_true", help="print every fault and EIO")
@@ -71,7 +74,8 @@ def main() -> int:
             try:
                 net.start_s3(weed.port)
                 res = partition.run(net, Cluster(weed.endpoint, bucket, root, mounts, net), s3,
-                                    bucket, args.seconds, seed, args.nodes)
+                                    bucket, args.seconds, seed, args.nodes,
+                                    voters=args.voters)
             finally:
                 stop_all(mounts)
                 net.close()
@@ -82,7 +86,8 @@ def main() -> int:
                         _save_history(root / "history.jsonl", res)
                     print(f"  logs kept in {root}", flush=True)
             ok = not res.errors
-            print(f"run {run + 1}/{args.runs} nodes {args.nodes} seed {seed}: "
+            print(f"run {run + 1}/{args.runs} nodes {args.nodes} voters "
+                  f"{args.voters or args.nodes} seed {seed}: "
                   f"{'ok' if ok else 'FAILED'} in {time.monotonic() - t0:.0f}s, "
                   f"{res.summary()}", flush=True)
             if args.verbose or not ok:

@@ -431,11 +431,15 @@ def _collect(i: int, proc: subprocess.Popen[str], ops: list[Op]) -> None:
 
 
 def run(net: TestNet, cluster: Cluster, s3: Any, bucket: str, seconds: float, seed: int,
-        nodes_n: int = 3, kills: bool = True, workers_per_node: int = 1) -> Result:
+        nodes_n: int = 3, kills: bool = True, workers_per_node: int = 1,
+        voters: int | None = None) -> Result:
+    """`voters`: at most this many members vote (--raft-voters); the others are learners."""
     rng = random.Random(seed)
     res = Result(seed)
-    nodes = [cluster.add(*FLAGS) for _ in range(nodes_n)]
-    cluster.wait_raft(nodes, nodes_n)
+    voters = min(nodes_n, voters or nodes_n)
+    flags = (*FLAGS, "--raft-voters", str(voters))
+    nodes = [cluster.add(*flags) for _ in range(nodes_n)]
+    cluster.wait_raft(nodes, voters, timeout=30 + 2 * nodes_n)
     root = nodes[0].mnt
     (root / "reg").mkdir()
     (root / "ns").mkdir()
@@ -477,7 +481,7 @@ def run(net: TestNet, cluster: Cluster, s3: Any, bucket: str, seconds: float, se
             r.join(10)
     timeline.mark(net, set())
     res.ops = ops
-    cluster.wait_raft(nodes, nodes_n, timeout=60)
+    cluster.wait_raft(nodes, voters, timeout=60)
     check(res, nodes, s3, bucket, timeline)
     return res
 
