@@ -400,6 +400,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
             if r.get("voting") is False:
                 print("  raft: not voting until caught up with the leader's log "
                       "(started without a log)")
+            if r.get("without_log"):
+                print(f"  raft: NO LEADER CAN BE ELECTED: voters {', '.join(r['without_log'])}"
+                      " came back without their logs; fewer than a majority of the voters "
+                      "hold the log (docs/operations.md)")
         else:
             print("  raft: starting")
         pt = cl.get("partition") or {}

@@ -163,6 +163,9 @@ class RaftGroup(Generic[T]):
         self._hurry: dict[str, trio.Event] = {}  # learners whose feed request lingers
         self._hurried: set[str] = set()  # ...and those that hurried one not here yet
         self._leaderless_since: float | None = None
+        # Voters without their logs, while too few voters with one are left to elect a
+        # leader (`_check_still_voter`); None while that is not the case.
+        self.without_log: list[str] | None = None
         self._promote_failed: dict[str, float] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self._trio_thread = 0
@@ -664,6 +667,7 @@ class RaftGroup(Generic[T]):
         it: a voter removed while it was away never hears of its removal otherwise."""
         if raft.status().get("leader"):
             self._leaderless_since = None
+            self.without_log = None
             return
         now = time.monotonic()
         if self._leaderless_since is None:
@@ -673,21 +677,42 @@ class RaftGroup(Generic[T]):
             return
         self._leaderless_since = now
         voters = set(raft.members())
-        asked = sorted((m for m in self.membership.members.values()
-                        if m.state == ALIVE and m.raft and m.raft != self.addr),
-                       key=lambda m: (m.raft not in voters, m.id))[:3]
+        # (every other voter, for the count below, and at least 3 members in all)
+        others = sorted((m for m in self.membership.members.values()
+                         if m.state == ALIVE and m.raft and m.raft != self.addr),
+                        key=lambda m: (m.raft not in voters, m.id))
+        asked = [m for m in others if m.raft in voters] or others[:3]
+        without_log = [] if raft.voting else [self.addr]
         for m in asked:
             got = await self.client.call(m.id, {"op": "raft_members"}, max_data=0,
                                          timeout=2.0)
             if got is None:
                 continue
             reply = got[0]
+            if m.raft in voters and reply.get("without_log"):
+                without_log.append(m.raft)
             members, group = reply.get("members"), reply.get("group")
             if (reply.get("leader") and isinstance(members, list) and members
                     and self.addr not in members
                     and (not group or not self.group or group == self.group)):
                 await self._demote(f"{m.id} names the voters without us")
                 return
+        self._note_without_log(sorted(without_log), len(voters))
+
+    def _note_without_log(self, without_log: list[str], voters: int) -> None:
+        """A group that cannot elect a leader because too many of its voters came back
+        without their logs (they vote only once a leader holds one): a status line and
+        one log line, not a silent wait. No recovery is built for it (docs/semantics.md,
+        "Durability")."""
+        if voters - len(without_log) > voters // 2:
+            self.without_log = None
+            return
+        if self.without_log != without_log:
+            log.error("raft: no leader can be elected: voters %s came back without their "
+                      "logs and vote only once a leader holds one; %d of %d voters hold "
+                      "the log, a majority is %d", ", ".join(without_log),
+                      voters - len(without_log), voters, voters // 2 + 1)
+        self.without_log = without_log
 
     # -- leaving --------------------------------------------------------------------------
 
@@ -769,7 +794,8 @@ class RaftGroup(Generic[T]):
         if cur is None:
             return {"members": [], "group": self.group}, None
         return {"members": cur.members(), "leader": cur.status().get("leader"),
-                "group": self.group, "voter": isinstance(cur, RaftNode)}, None
+                "group": self.group, "voter": isinstance(cur, RaftNode),
+                "without_log": self._counted_not_voting()}, None
 
     async def _change(self, peer: str, msg: dict[str, Any]) -> Reply:
         addr = field_str(msg, "raft")
@@ -885,5 +911,8 @@ class RaftGroup(Generic[T]):
         st["max_voters"] = self.max_voters
         st["promotions"], st["demotions"] = self.promotions, self.demotions
         st["promoting"] = self._promoting is not None
+        st["without_log"] = self.without_log
+        if self._counted_not_voting():
+            st["voting"] = False
         st["read_index"] = self.reads.status()
         return st

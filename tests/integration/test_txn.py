@@ -312,6 +312,29 @@ def test_nodes_lost_in_turn_with_their_cache_dirs_lose_no_closed_file(cluster, s
     assert {k: hashlib.sha256(v).hexdigest() for k, v in objs.items()} == want
 
 
+def test_two_voters_of_three_back_without_their_logs_is_a_clear_state(cluster):  # type: ignore
+    """Beyond what the group survives (two of three voters lose their disks at once): no
+    leader can be elected, and the voter that holds the log says so, in its log and in
+    `objcache status`, instead of waiting in silence."""
+    a, b, c = nodes = _three(cluster)
+    want = sorted(m.status()["cluster"]["raft"]["self"] for m in (a, b))
+    for m in (a, b):
+        m.kill9()
+        shutil.rmtree(m.cache)
+        m.extra = (*m.extra, "--catch-up-seconds", "2")
+    threads = [threading.Thread(target=_restart_wiped, args=(m, nodes)) for m in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(m.status()["cluster"]["raft"].get("voting") is False for m in (a, b))
+    _wait(lambda: c.status()["cluster"]["raft"].get("without_log") == want, 20,
+          "the voter with the log names the voters without theirs")
+    out = objcache("status", str(c.mnt))
+    assert "NO LEADER CAN BE ELECTED" in out.stdout, out.stdout
+    assert "came back without their logs" in c.log_path.read_text()
+
+
 def test_drain_to_zero_then_a_fresh_node_sees_everything(cluster, s3, bucket, mounts,
                                                         seaweed, tmp_path):  # type: ignore
     nodes = _three(cluster)
