@@ -3,7 +3,12 @@
 - membership (objcache.cluster.membership): who is in the cluster and alive, the ring;
 - peer requests (objcache.cluster.client): calls to members, routed around silent ones;
 - chunk placement (objcache.cluster.placement): who owns a chunk, asking owners for it;
-- the Raft group (objcache.cluster.raftgroup): getting into the one group and leaving it.
+- the Raft group (objcache.cluster.raftgroup): getting into the one group and leaving it;
+- the members it has seen, kept in the cache dir (PEERS_FILE) and used as seeds at its next
+  start besides --peers. Without them a node configured with no peers (the first one) that
+  had become a learner (which keeps no Raft state on disk) formed a group of one when
+  restarted and served an empty namespace until it found the cluster (a read of an
+  acknowledged file gave ENOENT: the partition nemesis with learners, seed 4302).
 
 What the node answers to peers is composed by the daemon (objcache.cluster.peers.Routes):
 membership and Raft requests from here, chunk requests from objcache.cluster.chunkservice,
@@ -12,7 +17,9 @@ dirty-blob requests from objcache.txn.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -22,17 +29,29 @@ from typing import Any, Protocol
 import trio
 
 from objcache.cluster.client import Inflight, PeerClient
-from objcache.cluster.membership import JOIN_PATIENCE, Member, Membership
+from objcache.cluster.membership import ALIVE, JOIN_PATIENCE, Member, Membership
 from objcache.cluster.peers import Handler, PeerPool, PeerServer, Reply, split_addr
 from objcache.cluster.placement import ChunkPlacement
 from objcache.cluster.raftgroup import RaftGroup
 from objcache.config import MountConfig
 from objcache.errors import UserError
 from objcache.raft.node import StateMachine
+from objcache.ticks import sleep_ticks
 
 log = logging.getLogger(__name__)
 
 MIN_SECRET_BYTES = 16
+PEERS_FILE = "peers.json"  # in the cache dir: members seen, seeds for the next start
+REMEMBER_PEERS = 32  # at most this many addresses kept
+REMEMBER_EVERY = 10.0  # seconds between looks at whether the members changed
+
+
+def remembered_peers(path: Path) -> list[str]:
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [str(a) for a in got] if isinstance(got, list) else []
 
 
 def load_secret(path: str | None) -> bytes:
@@ -94,8 +113,11 @@ class ClusterNode:
         # answering heartbeats has its requests cancelled sooner (Inflight).
         self.request_timeout = cfg.s3_retry_seconds + 10
         self.pool = PeerPool(key, self.node_id)
+        self._disk = trio.CapacityLimiter(1)  # PEERS_FILE's writes off the trio thread
         inflight = Inflight()
         seeds = [p.strip() for p in (cfg.peers or "").split(",") if p.strip()]
+        self._peers_file = raft_dir.parent / PEERS_FILE
+        seeds += [a for a in remembered_peers(self._peers_file) if a not in seeds]
         me = Member(self.node_id, cfg.listen, cfg.cache_size, time.time_ns(), raft=raft_addr)
         self.membership = Membership(me, seeds, self.pool, cfg.peer_timeout,
                                      used=lambda: cache.used, on_suspect=inflight.cancel)
@@ -127,7 +149,30 @@ class ClusterNode:
         # starts at once)
         await self.membership.join(0.0 if self.raft.has_log() else JOIN_PATIENCE)
         nursery.start_soon(self.membership.run)
+        nursery.start_soon(self._remember_peers)
         await self.raft.start(nursery)
+
+    async def _remember_peers(self) -> None:
+        """Keep PEERS_FILE up to date with the members seen (see the module docstring)."""
+        kept: list[str] = remembered_peers(self._peers_file)
+        while True:
+            me = self.membership.me
+            now = sorted(m.addr for m in self.membership.members.values()
+                         if m.state == ALIVE and m.id != me.id
+                         and m.addr != me.addr)[:REMEMBER_PEERS]
+            if now and now != kept:
+                await trio.to_thread.run_sync(self._write_peers, now, limiter=self._disk)
+                kept = now
+            await sleep_ticks(REMEMBER_EVERY)
+
+    def _write_peers(self, addrs: list[str]) -> None:
+        tmp = self._peers_file.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(addrs))
+            os.replace(tmp, self._peers_file)
+        except OSError as e:  # (a full disk: the next start relies on --peers alone)
+            log.warning("could not keep the members' addresses in %s: %s",
+                        self._peers_file, e.strerror)
 
     async def leave(self) -> None:
         """Leave the Raft group and the ring (bounded), and close peer connections."""

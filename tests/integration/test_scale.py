@@ -108,3 +108,27 @@ def test_eight_nodes_five_voters_learners_and_a_leader_killed(cluster: Cluster) 
     assert (learners[0].mnt / "after" / "f").read_bytes() == b"committed"
     for m in survivors:
         assert not m.errors_in_log(), m.errors_in_log()
+
+
+def test_a_learner_restarted_without_peers_finds_its_cluster(cluster: Cluster) -> None:
+    """A member remembers the members it has seen (peers.json in its cache dir) and tries
+    them at its next start besides --peers. A learner keeps no Raft state on disk, so the
+    first node (started with no peers) restarted after a demotion formed a group of one
+    and served an empty namespace until it found the cluster: a read of an acknowledged
+    file gave ENOENT (the partition nemesis with learners, seed 4302)."""
+    a = cluster.add("--raft-voters", "1")
+    b = cluster.add("--raft-voters", "1")
+    cluster.wait_raft([a, b], 1)
+    (a.mnt / "f").write_bytes(b"acknowledged")
+    assert _raft(b)["role"] == "learner"
+    peers = b.cache / "peers.json"
+    deadline = time.monotonic() + 30
+    while not peers.exists():  # (written within REMEMBER_EVERY of the join)
+        assert time.monotonic() < deadline, "peers.json not written"
+        time.sleep(0.2)
+    b.kill9()
+    i = b.extra.index("--peers")
+    b.extra = (*b.extra[:i], *b.extra[i + 2:])
+    b.start()
+    assert (b.mnt / "f").read_bytes() == b"acknowledged"
+    assert _raft(b)["role"] == "learner"
