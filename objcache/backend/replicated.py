@@ -108,8 +108,11 @@ class ReplicatedBackend:
                 restored.set()
 
             nursery.start_soon(restore)
-            with trio.move_on_after(self.restore_wait):
-                await restored.wait()
+            # (not caught up with the log: the mount has waited its bound already, and
+            # the copies are pulled once it has)
+            if self.txn.has_caught_up_once():
+                with trio.move_on_after(self.restore_wait):
+                    await restored.wait()
             if not restored.is_set():
                 log.warning("mounting before this node's copies of closed files are pulled "
                             "again (%.0fs); they go on in the background", self.restore_wait)

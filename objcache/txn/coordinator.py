@@ -90,6 +90,11 @@ class TxnClient:
         """The dirty-blob requests this node answers (replication and reads of blobs)."""
         return {"dread": self._dread, "dpull": self._dpull, "dstage": self._dstage}
 
+    def has_caught_up_once(self) -> bool:
+        """Whether our Raft member caught up with the group's log since it started (the
+        bounded wait before the mount succeeded)."""
+        return self.node.raft.ready
+
     def caught_up(self) -> bool:
         """Our Raft member follows a leader and has applied all it knows is committed (so
         the entries we read are not a stale or empty view)."""
