@@ -56,6 +56,7 @@ from objcache.raft.guard import FrameSeal, GuardedTransport
 log = logging.getLogger(__name__)
 
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
+STOP_POLL = 0.25  # seconds between looks, while a call waits, at whether we were stopped
 JOINING_MARK = "joining"  # in the data dir while a member without the whole log joins
 
 
@@ -420,6 +421,7 @@ class RaftNode:
                                  make_conf(data_dir, self_addr), secret, state, on_applied,
                                  joining, wiped, mark if joining else None)
         self.batcher = Batcher(self._send_batch)
+        self._stopped = False  # destroyed: calls waiting on it fail at once (`_call`)
 
     @property
     def feed(self) -> Feed:
@@ -444,6 +446,8 @@ class RaftNode:
         deadline = retry_until + ANSWER_GRACE  # (the answer to one that was sent)
         sent = False
         while True:
+            if self._stopped:
+                raise NoQuorum(f"raft {what}: this member stopped")
             if not self._leader_reachable():
                 error: Any = FAIL_REASON.MISSING_LEADER
             else:
@@ -457,10 +461,19 @@ class RaftNode:
                     token.run_sync_soon(done.set)
 
                 start(callback)
-                with trio.move_on_at(deadline):
-                    await done.wait()
+                # (polled: a member stopped meanwhile never answers; its caller tries the
+                # member that replaced it instead of waiting out the timeout. A voter the
+                # group removed, turned learner, held a flush's claim for its whole 5 s
+                # and failed the flush: the partition nemesis with learners, seed 4303)
+                while not done.is_set() and not self._stopped:
+                    with trio.move_on_at(min(deadline, trio.current_time() + STOP_POLL)):
+                        await done.wait()
+                    if trio.current_time() >= deadline:
+                        break
                 if not done.is_set():
-                    e = NoQuorum(f"raft {what} got no answer in {timeout:.0f}s")
+                    e = NoQuorum(f"raft {what}: this member stopped before it was answered"
+                                 if self._stopped else
+                                 f"raft {what} got no answer in {timeout:.0f}s")
                     e.maybe_sent = True
                     raise e
                 error = box["error"]
@@ -621,10 +634,12 @@ class RaftNode:
         return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
 
     def destroy(self) -> None:
+        self._stopped = True
         self._replica.destroy()
 
     def destroy_synchronous(self) -> None:
         """Stop, and return once pysyncobj's thread has ended (nothing applies after)."""
+        self._stopped = True
         self._replica.destroy_synchronous()
 
 

@@ -5,6 +5,7 @@ network healed). Three real members in this process, on loopback."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -53,5 +54,27 @@ async def test_a_feed_header_says_what_the_full_status_says(tmp_path: Path) -> N
         assert h.voters == node.members() == [addr]
         assert (h.leader, h.term, h.commit) == (st["leader"], st["term"], st["commit_index"])
         assert h.leader == addr and h.term >= 1 and h.commit >= 2
+    finally:
+        node.destroy()
+
+
+async def test_a_call_waiting_on_a_member_that_stops_fails_at_once(tmp_path: Path) -> None:
+    """A voter the group removed is stopped (it becomes a learner); a command waiting on
+    it for an answer fails then, not at its timeout, and its caller sends it again
+    through the learner. (It waited its whole 5 s and failed a flush: the partition
+    nemesis with learners, seed 4303.)"""
+    addr = f"127.0.0.1:{free_port()}"
+    node = RaftNode(addr, [addr], tmp_path / "m0", "k" * 32, Log())
+    try:
+        await submit_once_led(node, "one", 20)
+        node._replica._apply = lambda blob, callback: None  # never answered
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, lambda: (time.sleep(0.3),
+                                                                 node.destroy()))
+            t0 = trio.current_time()
+            with pytest.raises(NoQuorum) as e:
+                await node.submit({"name": "two"}, timeout=10.0)
+        assert trio.current_time() - t0 < 2.0 and "stopped" in str(e.value)
+        assert e.value.maybe_sent  # (it may have reached a leader: its caller settles it)
     finally:
         node.destroy()
