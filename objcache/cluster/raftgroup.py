@@ -559,7 +559,11 @@ class RaftGroup(Generic[T]):
                         self.addr in cur.voters:
                     # the group counts us as a voter (a promotion we gave up, a restart)
                     self._begin_promotion([v for v in cur.voters if v != self.addr], True)
-                if not recorded and self._current is not None:
+                # (only with a leader: a 10 s wait for none held up the checks above, and
+                # a voter the group had removed while it was down mounted with its old
+                # state before it found out, 11 s after its start)
+                if (not recorded and self._current is not None
+                        and self._current.status().get("leader")):
                     await self._current.submit(
                         {"op": "member", "node": me.id, "addr": me.addr, "cap": me.capacity,
                          "tx": f"member/{me.id}/{me.incarnation}"}, timeout=10)
