@@ -76,6 +76,10 @@ def main() -> int:
                 res = partition.run(net, Cluster(weed.endpoint, bucket, root, mounts, net), s3,
                                     bucket, args.seconds, seed, args.nodes,
                                     voters=args.voters)
+            except Exception as e:  # (no verdict: the cluster never settled, a start failed)
+                print(f"run {run + 1}/{args.runs} nodes {args.nodes} seed {seed}: FAILED "
+                      f"before its check: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+                raise
             finally:
                 stop_all(mounts)
                 net.close()

@@ -196,10 +196,15 @@ class Learner:
             self.voters = list(voters)
         leader = reply.get("leader")
         self.leader = leader if isinstance(leader, str) else None
-        for name in ("term", "commit"):
-            v = reply.get(name)
-            if isinstance(v, int):
-                setattr(self, name, max(getattr(self, name), v))
+        term, commit = reply.get("term"), reply.get("commit")
+        if isinstance(term, int) and self.leader is not None:
+            # (the term of the leader we follow: a voter cut off and campaigning answered
+            # with its own higher term and no leader, and learners showed that term
+            # after it had been removed from the voters and the group went on in a lower
+            # one: the partition nemesis with learners, seed 4305)
+            self.term = term
+        if isinstance(commit, int):
+            self.commit = max(self.commit, commit)
         through = reply.get("through")
         if not isinstance(through, int) or data is None:
             return
