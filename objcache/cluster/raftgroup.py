@@ -56,7 +56,7 @@ from objcache.cluster.learner import FEED_REPLY_BYTES, Learner
 from objcache.cluster.membership import ALIVE, DEAD, LEFT, Member
 from objcache.cluster.peers import field_int, field_str, split_addr
 from objcache.cluster.readindex import ReadIndex
-from objcache.errors import NoQuorum, PeerError, ProtocolError
+from objcache.errors import NoQuorum, ObjcacheError, PeerError, ProtocolError
 from objcache.raft.node import RaftNode, StateMachine, pack_entries
 from objcache.ticks import next_tick, sleep_ticks
 
@@ -649,9 +649,19 @@ class RaftGroup(Generic[T]):
 
     async def _remove_voter(self, raft: RaftNode, addr: str, m: Member | None) -> None:
         await raft.remove_member(addr, timeout=10)
-        if m is not None and m.state == ALIVE:
-            await self.client.call(m.id, {"op": "raft_demote", "group": self.group},
+        if m is not None and m.state != LEFT:
+            # (also to a member taken for dead, in the background: it may only have been
+            # slow, as a voter promoted on a busy node was 1 s after its promotion, and
+            # went on as a voter the group no longer counted)
+            assert self._nursery is not None
+            self._nursery.start_soon(self._tell_removed, m.id)
+
+    async def _tell_removed(self, node: str) -> None:
+        try:
+            await self.client.call(node, {"op": "raft_demote", "group": self.group},
                                    max_data=0, timeout=5.0)
+        except ObjcacheError as e:  # (it finds out by itself: `_check_still_voter`)
+            log.info("raft: could not tell %s it no longer votes: %s", node, e)
 
     async def _promote_member(self, raft: RaftNode, m: Member, voters: list[str]) -> None:
         got = await self.client.call(m.id, {"op": "raft_promote", "voters": voters,
@@ -668,8 +678,11 @@ class RaftGroup(Generic[T]):
 
     async def _check_still_voter(self, raft: RaftNode) -> None:
         """A voter with no leader for a while asks members whether the group still counts
-        it: a voter removed while it was away never hears of its removal otherwise."""
-        if raft.status().get("leader"):
+        it: a voter removed while it was away never hears of its removal otherwise.
+        (A leader it cannot reach counts as none: pysyncobj keeps the last leader of a
+        follower the group removed, which then waited for it for good; the partition
+        nemesis with learners, seed 4306.)"""
+        if raft.leader_reachable():
             self._leaderless_since = None
             self.without_log = None
             return

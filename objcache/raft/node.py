@@ -489,6 +489,9 @@ class RaftNode:
                 raise e
             await trio.sleep(0.05)
 
+    def leader_reachable(self) -> bool:
+        return self._leader_reachable()
+
     def _leader_reachable(self) -> bool:
         """Whether our member has a leader it can send to: itself, or a partner it is
         connected to. pysyncobj keeps the last leader of a follower that is connected to
