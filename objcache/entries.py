@@ -157,6 +157,9 @@ class NsChange:
     entry: Entry | None
     uploaded: ObjectRef | None = None
     moved: bool = field(default=False)  # left this key for another (rename)
+    # left the namespace while this node was behind (a snapshot replaced its state): S3
+    # holds it now, or it is gone; which, only S3 can say
+    resync: bool = field(default=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,12 +36,15 @@ class Change:
     `key` is a file's key or a directory's marker key (ending in "/"); `entry` what the
     backend now records for it (None: nothing: it is gone, or S3 holds it); `uploaded`
     the S3 version that now holds it, when write-back finished; `ours`: made by one of this
-    node's own calls (which updated the core already)."""
+    node's own calls (which updated the core already); `resync`: the backend no longer
+    knows what happened to it (this node fell behind the cluster's log and took a
+    snapshot): what the core knows of it is asked for again."""
 
     key: str
     entry: FileEntry | DirEntry | None
     uploaded: ObjectRef | None = None
     ours: bool = False
+    resync: bool = False
 
 
 @dataclass(frozen=True, slots=True)

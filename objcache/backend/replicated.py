@@ -27,6 +27,7 @@ from objcache.backend.staging import Stager
 from objcache.entries import (
     Attrs,
     DirEntry,
+    Entry,
     FileEntry,
     FlushScope,
     NsChange,
@@ -36,6 +37,7 @@ from objcache.entries import (
     to_wire,
 )
 from objcache.errors import Gone, InDoubt, NoQuorum, ObjcacheError, StoreRefused
+from objcache.raft.node import STATE_REPLACED
 from objcache.store.meta import parse_meta
 from objcache.ticks import next_tick, sleep_ticks
 from objcache.txn.flusher import ClusterFlusher
@@ -162,6 +164,9 @@ class ReplicatedBackend:
         me = self.txn.node_id
         for changes, by in self._applied.take():
             for c in changes:
+                if c.resync:
+                    out.append(Change(c.key, None, None, resync=True))
+                    continue
                 if c.uploaded is not None:
                     out.append(Change(c.key, None, c.uploaded))
                     continue
@@ -473,10 +478,25 @@ def _attr_list(a: Attrs) -> list[int]:
 
 def applied_changes(state: Any, cmd: dict[str, Any]) -> Applied | None:
     """On the Raft thread, after each applied command: what it changed in the namespace
-    and who made it (for RaftGroup's `applied` feed)."""
+    and who made it (for RaftGroup's `applied` feed). A snapshot that replaced the state
+    (STATE_REPLACED) changed every key whose entry differs between the two."""
+    if cmd.get("op") == STATE_REPLACED:
+        return replaced_changes(cmd["old"].ns.entries, state.ns.entries), None
     changes = state.last_changes
     if not changes:
         return None
     by = cmd.get("by")
     return list(changes), by if isinstance(by, str) else None
 
+
+def replaced_changes(old: dict[str, Entry], new: dict[str, Entry]) -> list[NsChange]:
+    """The changes from namespace `old` to namespace `new` (a snapshot a node that fell
+    behind took): a key whose entry differs has the new one; a key whose entry is gone
+    (written back, or deleted and then cleaned while we were behind) is `resync`; a
+    tombstone that went stays gone. Without these a learner that took a snapshot after
+    its mount showed unlinked files and missed renamed ones until restarted (the
+    partition nemesis with learners, seed 4309)."""
+    out = [NsChange(k, e) for k, e in new.items() if old.get(k) != e]
+    out += [NsChange(k, None, resync=True) for k, e in old.items()
+            if k not in new and not isinstance(e, Tombstone)]
+    return out

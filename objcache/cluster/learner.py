@@ -39,6 +39,7 @@ from objcache.cluster.membership import ALIVE, alive_at_raft
 from objcache.errors import NoQuorum
 from objcache.raft.node import (
     ANSWER_GRACE,
+    STATE_REPLACED,
     Applied,
     Batcher,
     Feed,
@@ -212,9 +213,11 @@ class Learner:
         if reply.get("snapshot"):
             state = pickle.loads(bytes(data))  # from an authenticated member
             with self.feed.lock:
-                self.state = state
+                old, self.state = self.state, state
                 self.feed.reset()
-                self.applied = through
+                before, self.applied = self.applied, through
+            if before:  # (not our first state: what the node shows came from the old one)
+                self._on_applied(state, {"op": STATE_REPLACED, "old": old}, through)
             if isinstance(group, str):
                 self.group = group
             self.snapshots += 1

@@ -1929,6 +1929,9 @@ class Filesystem:
             inode = self._by_key(k)
             if inode is not None and inode.is_dir != is_dir:
                 inode = None  # a change to the other kind of thing with this name
+            if ch.resync:
+                self._resync(k, inode)
+                continue
             if ch.uploaded is not None:
                 if inode is not None:
                     lf = self.local.by_key.get(k)
@@ -1986,6 +1989,23 @@ class Filesystem:
             # the daemon serves cannot be mixed with it.
             return True
         return any(h.inode is inode and h.lf is None for h in self.handles.values())
+
+    def _resync(self, key: str, inode: Inode | None) -> None:
+        """The backend no longer knows what became of `key` (see Change.resync): forget
+        what we know of it, so that the next lookup and the next listing of its
+        directory ask the backend and S3 again. Handles open on it keep their version,
+        as with any change made elsewhere."""
+        parent = self._parent_of(key)
+        name = key.rpartition("/")[2]
+        if parent is not None:
+            parent.listed = 0.0
+            if parent.children is not None:
+                parent.children.pop(name, None)
+            self.notify.entry(parent.ino, name)
+        if inode is not None:
+            inode.checked = inode.listed = 0.0
+            if not inode.is_dir:  # (a directory keeps its inode: a cwd, its children)
+                self._detach(inode)
 
     def _gone(self, inode: Inode) -> None:
         pino = self.by_key.get(parent_key(inode.key))

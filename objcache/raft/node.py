@@ -56,6 +56,9 @@ from objcache.raft.guard import FrameSeal, GuardedTransport
 log = logging.getLogger(__name__)
 
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
+# The command handed to `on_applied` (with "old": the state before) when a snapshot
+# replaced a member's state: what changed is every difference between the two.
+STATE_REPLACED = "raft.state_replaced"
 STOP_POLL = 0.25  # seconds between looks, while a call waits, at whether we were stopped
 JOINING_MARK = "joining"  # in the data dir while a member without the whole log joins
 
@@ -280,6 +283,8 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
         with self.feed.lock:
             if self.state is not self._fed_state:  # a snapshot replaced the state
                 self.feed.reset()
+                self.on_applied(self.state, {"op": STATE_REPLACED, "old": self._fed_state},
+                                index - 1)
                 self._fed_state = self.state
             result = apply_entry(self.state, blob, index, self.on_applied)
             self.feed.add(index, blob)
