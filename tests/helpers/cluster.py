@@ -73,7 +73,8 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while True:
             rafts = [n.status()["cluster"]["raft"] for n in nodes]
-            if (all(r is not None and len(r["members"]) == members for r in rafts)
+            if (all(r is not None and len(r["members"]) == members and not r.get("promoting")
+                    for r in rafts)
                     and len({r["leader"] for r in rafts}) == 1 and rafts[0]["leader"]
                     and len({r["term"] for r in rafts}) == 1):
                 return rafts

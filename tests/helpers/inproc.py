@@ -235,7 +235,10 @@ async def cluster(store: Any, root: Path, n: int = 2, **kw: Any
         with trio.fail_after(30):
             while True:
                 rafts = [p.member.node.raft.status() for p in parts if p.member]
-                if (all(r is not None and len(r["members"]) == n for r in rafts)
+                # (and no member still handing over to its new voter: a test that holds
+                # a voter's applied commands found a learner applying them)
+                if (all(r is not None and len(r["members"]) == n and not r.get("promoting")
+                        for r in rafts)
                         and len({r["leader"] for r in rafts}) == 1 and rafts[0]["leader"]
                         and all(p.member and p.member.node.raft.ready for p in parts)):
                     break
