@@ -83,7 +83,7 @@ class Learner:
     def __init__(self, client: PeerClient, membership: Membership, state: StateMachine,
                  voters: list[str], group: str, on_applied: Applied,
                  wait_applied: Callable[[int, float, bool], Awaitable[None]],
-                 on_progress: Callable[[int], None]) -> None:
+                 on_progress: Callable[[int], None], applied: int = 0) -> None:
         self.client = client
         self.membership = membership
         self.state = state
@@ -92,11 +92,12 @@ class Learner:
         self.leader: str | None = None
         self.term = 0
         self.commit = 0
-        self.applied = 0
+        self.applied = applied  # `state` is at this index
         self.source_applied = 0
         self.source: str | None = None  # the member id we follow
         # what we applied, for a learner that asks us (one just starting, mostly)
-        self.feed = Feed(max_entries=LEARNER_FEED_ENTRIES, max_bytes=LEARNER_FEED_BYTES)
+        self.feed = Feed(max_entries=LEARNER_FEED_ENTRIES, max_bytes=LEARNER_FEED_BYTES,
+                         base=applied)
         self.snapshots = 0
         self.stopped = False
         self._on_applied = on_applied
@@ -214,7 +215,7 @@ class Learner:
             state = pickle.loads(bytes(data))  # from an authenticated member
             with self.feed.lock:
                 old, self.state = self.state, state
-                self.feed.reset()
+                self.feed.reset(through)
                 before, self.applied = self.applied, through
             if before:  # (not our first state: what the node shows came from the old one)
                 self._on_applied(state, {"op": STATE_REPLACED, "old": old}, through)
@@ -300,6 +301,10 @@ class Learner:
             self._on_progress(self.applied)
 
     def applied_index(self) -> int:
+        return self.applied
+
+    def fed_index(self) -> int:
+        """The index through which the feed holds every command applied here."""
         return self.applied
 
     def snapshot(self) -> tuple[bytes, int]:

@@ -402,8 +402,7 @@ class RaftGroup(Generic[T]):
         learner = Learner(self.client, self.membership,
                           state if state is not None else self.new_state(), voters, group,
                           lambda m, c, i: self._applied_by(tag, m, c, i),
-                          self.wait_applied, self._progress_of(tag))
-        learner.applied = applied
+                          self.wait_applied, self._progress_of(tag), applied)
         learner.feed.on_add = self._wake_feed
         with self._deliver_lock:
             self.learner, self._current, self._current_tag = learner, learner, tag
@@ -874,7 +873,8 @@ class RaftGroup(Generic[T]):
             if snapshot:
                 return self._snapshot_reply(cur)
             self._feed_waiting = True
-            done = cur.applied_index()
+            # (not applied_index: "through `done`" must be a claim the feed can back)
+            done = cur.fed_index()
             entries = cur.feed.since(after, FEED_REPLY_BYTES)
             if entries is None:
                 return self._snapshot_reply(cur)

@@ -165,14 +165,19 @@ class Feed:
 
     Every command entry with an index above `base` is held (other entries, pysyncobj's
     no-ops and membership changes, change no state); older ones are dropped once the
-    feed holds more than `max_entries` or `max_bytes`.
+    feed holds more than `max_entries` or `max_bytes`. `base` starts at the index of the
+    state the entries follow (`reset`): a member that starts from a state at index 40,
+    asked for what follows 30, answers with a snapshot. (With `base` at 0 it answered "no
+    entries, applied through 40", and the asker skipped 31-40 for good: a demoted voter
+    followed by two learners, the partition nemesis with learners, seed 4406.)
     """
 
-    def __init__(self, max_entries: int = FEED_ENTRIES, max_bytes: int = FEED_BYTES) -> None:
+    def __init__(self, max_entries: int = FEED_ENTRIES, max_bytes: int = FEED_BYTES,
+                 base: int = 0) -> None:
         self.lock = threading.Lock()
         self.entries: deque[tuple[int, bytes]] = deque()
         self.bytes = 0
-        self.base = 0
+        self.base = base
         self.last = 0  # index of the last entry added (0: none yet)
         self.max_entries = max_entries
         self.max_bytes = max_bytes
@@ -181,7 +186,8 @@ class Feed:
     def add(self, index: int, blob: bytes) -> None:
         """Under `lock`, right after the entry was applied to the state."""
         if self.last == 0:
-            self.base = index - 1  # what came before was in the state we started from
+            # what came before was in the state we started from
+            self.base = max(self.base, index - 1)
         self.entries.append((index, blob))
         self.bytes += len(blob)
         self.last = index
@@ -191,11 +197,13 @@ class Feed:
             self.bytes -= len(old)
             self.base = idx
 
-    def reset(self) -> None:
-        """The state was replaced (a snapshot was loaded): nothing held follows from it."""
+    def reset(self, base: int) -> None:
+        """The state was replaced by one at index `base` (a snapshot was loaded): nothing
+        held follows from it."""
         self.entries.clear()
         self.bytes = 0
         self.last = 0
+        self.base = base
 
     def since(self, after: int, max_bytes: int) -> list[tuple[int, bytes]] | None:
         """Entries after index `after`, at least one and about `max_bytes` at most; None
@@ -282,7 +290,7 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
         index = self._SyncObj__raftLastApplied + 1
         with self.feed.lock:
             if self.state is not self._fed_state:  # a snapshot replaced the state
-                self.feed.reset()
+                self.feed.reset(index - 1)
                 self.on_applied(self.state, {"op": STATE_REPLACED, "old": self._fed_state},
                                 index - 1)
                 self._fed_state = self.state
@@ -534,6 +542,16 @@ class RaftNode:
     def applied_index(self) -> int:
         """The last log index applied here."""
         return int(self._replica.raftLastApplied)
+
+    def fed_index(self) -> int:
+        """The index through which the feed holds every command applied here: the applied
+        index, but only what the feed holds while pysyncobj loads a snapshot of its own
+        (the feed learns of the new state at the next entry)."""
+        r = self._replica
+        with r.feed.lock:
+            if r.state is not r._fed_state:
+                return r.feed.last or r.feed.base
+            return int(r.raftLastApplied)
 
     def snapshot(self) -> tuple[bytes, int]:
         """The state, pickled, and the log index it reflects (for a learner)."""
