@@ -124,8 +124,8 @@ while True:
 
 
 def classify(data: bytes) -> str:
-    """What a read returned: a write id, `prefix:ID` (part of that write), `empty`, or
-    `garbage` (bytes no write wrote)."""
+    """What a read returned: a write id, `prefix:ID:LENGTH` (the first LENGTH bytes of
+    that write), `empty`, or `garbage` (bytes no write wrote)."""
     if not data:
         return "empty"
     wid = data.partition(b"|")[0].decode(errors="replace")
@@ -133,7 +133,7 @@ def classify(data: bytes) -> str:
     if data == want:
         return wid
     if want.startswith(data) and b"|" in data:
-        return f"prefix:{wid}"
+        return f"prefix:{wid}:{len(data)}"
     return "garbage"
 
 
@@ -501,13 +501,18 @@ def bound(op: Op, s3_lost: bool = False) -> float:
     return BARRIER + 2 * TXN_TIMEOUT + PEER_TIMEOUT * 2 + 5 + s3
 
 
+def _torn_wid(v: str) -> str:
+    """The write an `empty` or `prefix:ID:LENGTH` value was part of ("" if empty)."""
+    return v.split(":")[1] if v.startswith("prefix:") else ""
+
+
 def _allowed_final(v: str, writes: list[Op]) -> str | None:
     """Why register value `v` (a write id) cannot be the final one, or None."""
     by_wid = {w.wid: w for w in writes}
     if v == "empty" or v.startswith("prefix:"):
         # A worker killed at the end of the run with the file open: the kernel's close of
         # its descriptor commits what it had written (as after a crash, a prefix).
-        wid = v.partition(":")[2]
+        wid = _torn_wid(v)
         # ("unfinished+down": a write begun as the restarted node's mount came up, a moment
         # before the nemesis marked it up again, and cut short when the run ended; seeds
         # 1175 and 1188, where the kernel's close of the killed worker's descriptor
@@ -534,7 +539,7 @@ def _check_read(r: Op, writes: list[Op]) -> str | None:
     if got == "garbage":
         return "bytes no write wrote"
     if got == "empty" or got.startswith("prefix:"):
-        wid = got.partition(":")[2]
+        wid = _torn_wid(got)
         mine = [w for w in writes if f"n{r.node}" == w.w.partition("w")[0]
                 and w.t0 <= r.t1 and (w.t1 >= r.t0) and (not wid or w.wid == wid)]
         return None if mine else f"{got}, with no write of this node in progress"
