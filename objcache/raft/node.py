@@ -461,7 +461,7 @@ class RaftNode:
         while True:
             if self._stopped:
                 raise NoQuorum(f"raft {what}: this member stopped")
-            if not self._leader_reachable():
+            if not self.leader_reachable():
                 error: Any = FAIL_REASON.MISSING_LEADER
             else:
                 sent = True
@@ -503,9 +503,6 @@ class RaftNode:
             await trio.sleep(0.05)
 
     def leader_reachable(self) -> bool:
-        return self._leader_reachable()
-
-    def _leader_reachable(self) -> bool:
         """Whether our member has a leader it can send to: itself, or a partner it is
         connected to. pysyncobj keeps the last leader of a follower that is connected to
         nobody (it never becomes a candidate), and would hand commands to a connection

@@ -22,8 +22,8 @@ def test_a_write_cut_short_that_began_while_its_node_was_marked_down_counts() ->
     "unfinished+down", and the truncation its exit committed is allowed all the same."""
     history = [_write("a", 1.0, 2.0, "ok"), _write("b", 3.0, float("inf"), "unfinished+down")]
     assert _allowed_final("empty", history) is None
-    assert _allowed_final("prefix:b", history) is None
-    assert _allowed_final("prefix:a", history) is not None  # a was acknowledged whole
+    assert _allowed_final("prefix:b:10", history) is None
+    assert _allowed_final("prefix:a:10", history) is not None  # a was acknowledged whole
 
 
 def test_failed_older_and_unknown_values_are_violations() -> None:
