@@ -68,6 +68,9 @@ ACTIVE_WINDOW = 2.0
 FEED_REPLY_BYTES = 8 << 20  # entries per answer (a single bigger entry still comes whole)
 MAX_FEED_DATA = 1 << 30  # what a snapshot may weigh
 AVOID_SECONDS = 3.0  # a source that could not answer is not asked again this long
+# A voter that did not commit our commands (no leader: cut off from it, or an election)
+# is not sent commands again this long while another voter may take them.
+SUBMIT_AVOID_SECONDS = 1.0
 APPLY_SLICE = 64  # entries applied between two checkpoints of the event loop
 LEARNER_FEED_ENTRIES = 2_000
 LEARNER_FEED_BYTES = 2 << 20
@@ -104,6 +107,7 @@ class Learner:
         self._wait_applied = wait_applied
         self._on_progress = on_progress
         self._avoid: dict[str, float] = {}
+        self._submit_avoid: dict[str, float] = {}
         self._hash = zlib.crc32(membership.me.id.encode())
         self.batcher = Batcher(self._send_batch)
         self._cancel = trio.CancelScope()
@@ -270,8 +274,22 @@ class Learner:
         await self._wait_applied(index, deadline, not background)
         return results[0], index
 
+    def _submit_target(self) -> str | None:
+        """The voter to send commands to: the one we follow, unless it just failed to
+        commit them and another voter may (the leader too: this is the exception); the
+        one we follow all the same if every voter failed lately (an election)."""
+        first = self.source or self.pick()
+        now = time.monotonic()
+        if first is not None and self._submit_avoid.get(first, 0) < now:
+            return first
+        others = sorted(m.id for m in (self._member(a) for a in self.voters)
+                        if m is not None and m.id != first
+                        and self._submit_avoid.get(m.id, 0) < now
+                        and self._avoid.get(m.id, 0) < now)
+        return others[self._hash % len(others)] if others else first
+
     async def _send_batch(self, blobs: list[bytes], timeout: float) -> tuple[list[Any], int]:
-        target = self.source or self.pick()
+        target = self._submit_target()
         if target is None:
             e = NoQuorum("no voter is reachable to take commands")
             e.maybe_sent = False
@@ -283,6 +301,10 @@ class Learner:
                                      max_data=FEED_REPLY_BYTES + (1 << 20),
                                      timeout=timeout + ANSWER_GRACE + 1)
         if got is None:
+            # (an error answer, "missing leader" most often: a voter cut off from the
+            # leader, while this node may not be. Sent to it again and again, every
+            # command and read barrier here failed for as long as that lasted.)
+            self._submit_avoid[target] = time.monotonic() + SUBMIT_AVOID_SECONDS
             raise NoQuorum(f"{target} did not commit the commands")
         results, index = got[0].get("results"), got[0].get("index")
         if not isinstance(results, list) or not isinstance(index, int):
