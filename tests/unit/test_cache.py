@@ -315,3 +315,30 @@ async def test_a_truncate_waiting_on_a_blobs_detach_detaches_the_next_linked_blo
         await local.truncate(lf, 4)
         assert detached == ["first", "second"]
         assert lf.linked is None
+
+
+def test_a_digest_reads_through_a_small_buffer(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call's buffer is new memory the kernel faults in and zeroes page by page: one
+    of FILL_PIECE per staged piece or uploaded part cost 0.35-0.55 s more CPU per GiB
+    than a buffer of DIGEST_PIECE (docs/benchmarks.md, issue 26's run of 2026-11-27)."""
+    import mmap
+
+    import xxhash
+
+    from objcache.cache import localfiles
+    sizes: list[int] = []
+    real = mmap.mmap
+
+    def recording(fileno: int, length: int) -> mmap.mmap:
+        sizes.append(length)
+        return real(fileno, length)
+
+    monkeypatch.setattr(localfiles.mmap, "mmap", recording)
+    data = os.urandom(3 * localfiles.FILL_PIECE)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    assert localfiles.digests_of(str(path), [(0, len(data))]) == [
+        xxhash.xxh3_128_digest(data)]
+    assert localfiles.digests_of(str(path), [(0, 100)]) == [xxhash.xxh3_128_digest(data[:100])]
+    assert sizes == [localfiles.DIGEST_PIECE, 100]
