@@ -61,6 +61,9 @@ ROLES = {0: "follower", 1: "candidate", 2: "leader"}
 STATE_REPLACED = "raft.state_replaced"
 STOP_POLL = 0.25  # seconds between looks, while a call waits, at whether we were stopped
 JOINING_MARK = "joining"  # in the data dir while a member without the whole log joins
+# ...saying which: a member the group counted before it lost its log (`wiped`), or one
+# promoted with an empty journal, which has lost nothing it acknowledged
+MARK_WIPED, MARK_JOINING = b"wiped", b"joining"
 
 
 class StateMachine(Protocol):
@@ -417,18 +420,28 @@ class RaftNode:
         the group counts our address as a voter already (our cache dir was lost); until
         caught up we do not count toward a commit either.
 
-        Both are kept on disk (JOINING_MARK) until caught up: a member killed while
-        joining restarts with part of the log, and its journal alone would let it vote
-        as if it held every committed entry (a kill during a wiped voter's catch-up).
-        Such a restart is `wiped` as well, since the group may count its address."""
+        The mark (JOINING_MARK) stays on disk until caught up. A wiped voter killed
+        during its catch-up restarts with part of the log, and its journal alone would
+        let it vote as if it held every entry it acknowledged before the wipe: it
+        restarts wiped and joining again. A promoted member (never wiped) killed while
+        joining holds every entry it acknowledged in its journal, which is all Raft asks
+        of a voter: it restarts voting. (Kept joining, it stalled a group of two killed
+        at once a moment after the second member's promotion: the first needed its vote,
+        and it waited for a leader; a CI run of 2026-11-27, test_restart.py.) A mark
+        that does not say which (written before 2026-11-27) counts as wiped."""
         data_dir.mkdir(parents=True, exist_ok=True)
         mark = data_dir / JOINING_MARK
         if mark.exists():
-            joining = wiped = True
-            log.info("raft: restarted before catching up with the group's log; not voting "
-                     "until caught up")
+            if mark.read_bytes() == MARK_JOINING:
+                mark.unlink()
+                log.info("raft: restarted before catching up with the group's log; its "
+                         "journal holds all it acknowledged: voting")
+            else:
+                joining = wiped = True
+                log.info("raft: restarted before catching up with the group's log after "
+                         "losing it; not voting until caught up")
         elif joining:
-            mark.write_bytes(b"")
+            mark.write_bytes(MARK_WIPED if wiped else MARK_JOINING)
         self.addr = self_addr
         self._replica = _Replica(self_addr, [p for p in partners if p != self_addr],
                                  make_conf(data_dir, self_addr), secret, state, on_applied,

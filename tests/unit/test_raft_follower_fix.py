@@ -190,11 +190,31 @@ def test_leader_forgets_what_a_wiped_members_previous_incarnation_acknowledged(
     assert r._SyncObj__raftMatchIndex[follower.leader] == 0
 
 
-def test_a_member_killed_while_joining_restarts_joining(tmp_path: Path) -> None:
-    # A promoted learner's voter, or a wiped voter, killed before it caught up: its journal
-    # holds part of the log, and on its own it would let the restart vote as if it held
-    # every committed entry. The mark in its data dir keeps it joining (and wiped: the
-    # group may count its address) until it catches up.
+def test_a_wiped_member_killed_while_joining_restarts_wiped(tmp_path: Path) -> None:
+    # A wiped voter killed before it caught up: its journal holds part of the log, and on
+    # its own it would let the restart vote as if it held every entry it acknowledged
+    # before the wipe. The mark in its data dir keeps it joining and wiped until it
+    # catches up; so does a mark that does not say (written before it did).
+    addr, other = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    node = RaftNode(addr, [other], tmp_path, "secret", ClusterState(), joining=True,
+                    wiped=True)
+    try:
+        assert (tmp_path / JOINING_MARK).exists() and not node.voting
+    finally:
+        node.destroy_synchronous()
+    for _ in range(2):
+        node = RaftNode(addr, [other], tmp_path, "secret", ClusterState())
+        try:
+            assert not node.voting and node._replica.wiped
+        finally:
+            node.destroy_synchronous()
+        (tmp_path / JOINING_MARK).write_bytes(b"")
+
+
+def test_a_promoted_member_killed_while_joining_restarts_voting(tmp_path: Path) -> None:
+    # Promoted with an empty journal, it has lost nothing it acknowledged: its journal is
+    # all Raft asks of a voter. Kept joining, it stalled a group of two killed at once
+    # (the other needed its vote, and it waited for a leader: test_restart.py in CI).
     addr, other = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     node = RaftNode(addr, [other], tmp_path, "secret", ClusterState(), joining=True)
     try:
@@ -203,7 +223,8 @@ def test_a_member_killed_while_joining_restarts_joining(tmp_path: Path) -> None:
         node.destroy_synchronous()
     node = RaftNode(addr, [other], tmp_path, "secret", ClusterState())
     try:
-        assert not node.voting and node._replica.wiped
+        assert node.voting and not node._replica.wiped
+        assert not (tmp_path / JOINING_MARK).exists()
     finally:
         node.destroy_synchronous()
 
