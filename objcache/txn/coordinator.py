@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -404,22 +405,34 @@ class TxnClient:
                              ) -> bytes | memoryview:
         """A `dread` answered by the first holder that can. None can yet (a restarted
         node has not heard of the others, a holder is being routed around): asked again
-        until --peer-timeout has passed since the first try, then PeerError."""
+        until --peer-timeout has passed since the first try, then PeerError. Holders
+        routed around are asked last, and a request to one of them ends at that deadline
+        too: its connect alone may take 2 s (seed 4803: two holders cut off from an
+        isolated node made a READ take 4.0 s and the next 6.8 s with a 3 s
+        --peer-timeout, and the read overran its bound). A holder that answers gets the
+        whole request timeout: a piece may be slow to come on a busy node."""
         ms = self.node.membership
         deadline = time.monotonic() + ms.timeout
         gone: set[str] = set()  # holders that answered they do not hold it (any more)
         while True:
             self._introduce(holders)
-            for node in holders:
+            # (sorted is stable: the log's order among the reachable ones)
+            for node in sorted(holders, key=lambda n: n in ms.suspects):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
                 if node == self.node_id or node in gone or ms.addr_of(node) is None:
                     continue
-                try:
-                    got = await self.node.client.call(
-                        node, {"op": "dread", "cid": cid, **ask}, max_data=length,
-                        into=into, timeout=self.node.request_timeout)
-                except NotFound:
-                    gone.add(node)
-                    continue
+                got = None
+                bound = left if node in ms.suspects else math.inf
+                with trio.move_on_after(bound):
+                    try:
+                        got = await self.node.client.call(
+                            node, {"op": "dread", "cid": cid, **ask}, max_data=length,
+                            into=into, timeout=min(self.node.request_timeout, bound))
+                    except NotFound:
+                        gone.add(node)
+                        continue
                 if got is not None and got[1] is not None:
                     if len(got[1]) == length:
                         return got[1]

@@ -1,8 +1,9 @@
 """Reading a blob from its holders: a holder this node has not heard of yet (a restarted
 node, before membership learns the others' addresses) is waited for, up to --peer-timeout,
 instead of failing the read at once (the cause of test_leader_killed_during_rename_storm's
-restart EIO); and a holder the Raft log records is asked at its recorded address at once
-(chaos seed 3120: the wait ran out before the others retried their seeds)."""
+restart EIO); a holder the Raft log records is asked at its recorded address at once
+(chaos seed 3120: the wait ran out before the others retried their seeds); and holders
+routed around neither come first nor hold a read past --peer-timeout (seed 4803)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Membership:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self.addrs: dict[str, str] = {}
+        self.suspects: set[str] = set()
 
     def addr_of(self, node: str) -> str | None:
         return self.addrs.get(node)
@@ -149,3 +151,67 @@ async def test_a_holder_that_sends_too_few_bytes_is_not_believed() -> None:
     txn = TxnClient(node, NoBlobs(), 2, 10.0)  # type: ignore[arg-type]
     assert await txn.read_blob("c1", ["b", "c"], 7, 4) == b"\x07" * 4
     assert node.client.asked == ["b", "c"]
+
+
+class CutOffClient(Client):
+    """Holders in `cut` are cut off from us: a request to one waits for its connect's 2 s
+    timeout, then fails (None), and the member is routed around from then on, as
+    objcache.cluster.client does. Holders in `slow` answer after `slow_s`."""
+
+    def __init__(self, ms: Membership, cut: set[str], slow: set[str] = frozenset(),
+                 slow_s: float = 0.0) -> None:
+        super().__init__(ms)
+        self.cut, self.slow, self.slow_s = cut, slow, slow_s
+
+    async def call(self, node: str, msg: dict[str, Any], max_data: int, timeout: float,
+                   into: memoryview | None = None) -> tuple[dict[str, Any], bytes] | None:
+        if node in self.cut:
+            self.asked.append(node)
+            await trio.sleep(min(2.0, timeout))
+            self.ms.suspects.add(node)
+            return None
+        if node in self.slow:
+            await trio.sleep(self.slow_s)
+        return await super().call(node, msg, max_data, timeout, into)
+
+
+def _cut_off_node(timeout: float, cut: set[str], slow: set[str] = frozenset(),
+                  slow_s: float = 0.0) -> Node:
+    node = Node(timeout)
+    node.client = CutOffClient(node.membership, cut, slow, slow_s)
+    node.membership.addrs.update(b="127.0.0.1:1", c="127.0.0.1:2", d="127.0.0.1:3")
+    return node
+
+
+async def test_holders_cut_off_do_not_hold_a_read_past_the_peer_timeout() -> None:
+    """Seed 4803: on a node cut off from both holders of a blob, each READ waited for a
+    2 s connect to each holder, and the deadline was looked at only after a whole pass:
+    4.0 s, then 6.8 s, with a 3 s --peer-timeout. Now each read ends at the deadline:
+    the first holder's connect (2 s, not yet routed around) and what is left of 3 s
+    for the second."""
+    node = _cut_off_node(3.0, cut={"b", "c"})
+    node.membership.suspects.add("c")  # (routed around already, like 4803's second)
+    txn = TxnClient(node, NoBlobs(), 2, 10.0)  # type: ignore[arg-type]
+    for _ in range(2):  # (the second finds both routed around)
+        t0 = time.monotonic()
+        with pytest.raises(PeerError, match="within 3s"):
+            await txn.read_blob("c1", ["b", "c"], 0, 4)
+        assert 3.0 <= time.monotonic() - t0 < 3.5
+
+
+async def test_a_holder_routed_around_is_asked_last() -> None:
+    node = _cut_off_node(3.0, cut={"b"})
+    node.membership.suspects.add("b")
+    txn = TxnClient(node, NoBlobs(), 2, 10.0)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    assert await txn.read_blob("c1", ["b", "c"], 7, 4) == b"\x07" * 4
+    assert time.monotonic() - t0 < 0.5
+    assert node.client.asked == ["c"]
+
+
+async def test_a_slow_holder_that_answers_is_waited_for_past_the_peer_timeout() -> None:
+    """Only holders routed around are cut at the deadline: a piece may be slow to come
+    from a busy holder, and that is not a reason to fail a pull."""
+    node = _cut_off_node(0.5, cut=set(), slow={"b"}, slow_s=1.0)
+    txn = TxnClient(node, NoBlobs(), 2, 10.0)  # type: ignore[arg-type]
+    assert await txn.read_blob("c1", ["b", "c"], 7, 4) == b"\x07" * 4
