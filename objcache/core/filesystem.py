@@ -588,7 +588,7 @@ class Filesystem:
             await ev.wait()
             fresh = self._by_key(key)
             if fresh is None:
-                raise NotFound(key)
+                raise NotFound(f"{key}: gone after another request's HEAD")
             if fresh.checked >= asked:
                 return fresh  # answered while we waited
             inode = fresh  # that HEAD failed: ask ourselves (and say why if we fail too)
@@ -598,14 +598,14 @@ class Filesystem:
             if info is None:
                 if self.by_key.get(key) == inode.ino and key not in self.local.by_key:
                     self._forget_child(inode)
-                raise NotFound(key)
+                raise NotFound(f"{key}: no entry here and no object in S3 (HEAD)")
             inode = self._apply_info(inode, info)
         finally:
             del self._head_inflight[key]
             ev.set()
         fresh = self._by_key(key)
         if fresh is None:
-            raise NotFound(key)
+            raise NotFound(f"{key}: gone after its HEAD")
         return fresh
 
     async def _head_batch(self, inodes: list[Inode]) -> None:
@@ -826,7 +826,8 @@ class Filesystem:
         if key in self.local.by_key:
             inode = self._new_inode(key, DEFAULT_FILE_MODE)
         elif parent.children is not None and self._fresh(parent.listed):
-            raise NotFound(key)
+            raise NotFound(f"{key}: not in its directory's listing of "
+                           f"{time.monotonic() - parent.listed:.1f}s ago")
         elif parent.stale_lookups >= RELIST_AFTER_STALE_LOOKUPS:
             # Many names looked up one by one in a directory nobody listed (a reader
             # opening its files by name): one LIST page per 1000 of them answers the rest
@@ -834,7 +835,7 @@ class Filesystem:
             await self._relist(parent)
             ino = (parent.children or {}).get(name)
             if ino is None or ino not in self.inodes:
-                raise NotFound(key)
+                raise NotFound(f"{key}: not in its directory's listing")
             return self.inodes[ino]
         else:
             parent.stale_lookups += 1
@@ -848,7 +849,7 @@ class Filesystem:
             elif info is not None:
                 inode = self._apply_info(self._new_inode(key, DEFAULT_FILE_MODE), info)
             else:
-                raise NotFound(key)
+                raise NotFound(f"{key}: no entry here and no object in S3 (HEAD)")
         if parent.children is not None:
             parent.children[name] = inode.ino
         return inode
@@ -1329,7 +1330,7 @@ class Filesystem:
         if self._stale_for_open(inode, lf):
             fresh = await self._revalidate(inode)
             if fresh.ino != inode.ino:
-                raise NotFound(inode.key)
+                raise NotFound(f"{inode.key}: another inode now")
             lf = self.local.by_key.get(inode.key)
         if writable:
             lf = self._writer_copy(inode, lf)

@@ -59,6 +59,9 @@ def _fuse_error(name: str, exc: BaseException) -> FuseError:
             log.error("unexpected error in %s; replying EIO", name, exc_info=exc)
     elif code not in _QUIET_ERRNOS:
         log.info("%s: %s (%s)", name, errno.errorcode.get(code, code), e)
+    else:
+        # (an application's everyday answers; the reason, for a campaign's logs)
+        log.debug("%s: %s (%s)", name, errno.errorcode.get(code, code), e)
     return FuseError(code)
 
 
