@@ -69,12 +69,24 @@ class Stager:
         self.dirty = dirty
         self.step = step  # stage when this many more bytes are complete
         self._by_fid: dict[int, Staging] = {}
+        # fid -> (file, its version when a close took its staging): no new staging of
+        # those bytes while that close seals and replicates them
+        self._finished: dict[int, tuple[LocalFile, int]] = {}
 
     def poll(self, lf: LocalFile, nursery: trio.Nursery) -> None:
         st = self._by_fid.get(lf.fid)
         if st is not None:
             st.wake.set()
             return
+        done = self._finished.get(lf.fid)
+        if done is not None:
+            if done[1] == lf.version:
+                # Its close is under way (the handle that wrote it is still open until
+                # the RELEASE): a new staging would have the replicas pull the whole file
+                # a second time, beside the close's own pull (it did, for every
+                # passthrough checkpoint, on 2026-11-27).
+                return
+            del self._finished[lf.fid]  # written since: what follows is new
         if (not lf.writers or lf.removed or lf.base_key is not None or lf.base_limit
                 or lf.shared or lf.size < self.step or self.txn.replicas < 2):
             return
@@ -88,6 +100,9 @@ class Stager:
         nursery.start_soon(self._drive, st)
 
     def sweep(self) -> None:
+        for fid, (lf, _) in list(self._finished.items()):
+            if lf.removed or not lf.dirty:
+                del self._finished[fid]
         for fid, st in list(self._by_fid.items()):
             if st.lf.removed:
                 del self._by_fid[fid]
@@ -131,6 +146,7 @@ class Stager:
     async def finish(self, lf: LocalFile) -> Finished:
         """Stop staging `lf` (about to be sealed): what the close's pull may adopt."""
         st = self._by_fid.pop(lf.fid, None)
+        self._finished[lf.fid] = (lf, lf.version)
         if st is None:
             return Finished({}, [])
         self._stop(st)
