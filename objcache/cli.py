@@ -69,7 +69,7 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
                     "foreground, CACHE_DIR/objcache.log otherwise)"}),
 ]
 _MOUNT_SWITCHES = ["--foreground", "--read-only", "--allow-other", "--recover-mount",
-                   "--no-passthrough"]
+                   "--no-passthrough", "--sign-payload"]
 
 
 def _parser() -> argparse.ArgumentParser:

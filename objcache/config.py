@@ -92,6 +92,11 @@ class MountConfig:
     # Serve opens whose bytes are all on this node through the kernel (FUSE passthrough):
     # reads, writes and mmap of them never reach the daemon. Off: every byte does.
     no_passthrough: bool = False
+    # Uploads carry a CRC32 checksum header (signed) and no SHA-256 of their body
+    # (UNSIGNED-PAYLOAD), over http as over https. On: botocore's default, a SHA-256 of
+    # every body over plain http (a second pass over each part on our side and the
+    # server's), for an http endpoint on a network that is not trusted.
+    sign_payload: bool = False
     # Transactions (issue 4): copies of a closed, not yet uploaded file, and how long a
     # namespace change may wait for a Raft quorum before the call fails with EIO.
     replicas: int = 2
@@ -166,7 +171,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(MountConfig)}
 _SIZE_KEYS = {"cache_size", "chunk_size", "readahead", "near_cache_size"}
 _DURATION_KEYS = {"writeback_delay", "metadata_ttl", "s3_retry_seconds", "peer_timeout",
                   "txn_timeout", "catch_up_seconds"}
-_BOOL_KEYS = {"foreground", "read_only", "allow_other", "recover_mount", "no_passthrough"}
+_BOOL_KEYS = {"foreground", "read_only", "allow_other", "recover_mount", "no_passthrough",
+              "sign_payload"}
 _INT_KEYS = {"s3_concurrency", "replicas", "raft_voters"}
 
 

@@ -306,7 +306,8 @@ class Daemon:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         check_mountpoint(self.mountpoint, cfg.recover_mount)
         self.store = store = S3Store(cfg.bucket, cfg.prefix, cfg.endpoint_url, cfg.region,
-                                     cfg.s3_concurrency, cfg.s3_retry_seconds)
+                                     cfg.s3_concurrency, cfg.s3_retry_seconds,
+                                     sign_payload=cfg.sign_payload)
         store.check_bucket()
         self.cache_dir = CacheDir(cfg)
         self.parts = build(cfg, store, self.cache_dir.path, self.mountpoint,

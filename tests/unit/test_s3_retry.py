@@ -115,3 +115,43 @@ async def test_a_part_of_a_file_truncated_while_it_is_sent_keeps_its_length(tmp_
     c.before_read = lambda: None
     assert await s.put_part("k", "u", 2, str(path), 4000, 200) == '"p"'  # a sparse tail
     assert c.bodies[2] == data[4000:4096] + bytes(104)
+
+
+class _Raw:
+    """An empty response body, as urllib3 would hand it to botocore."""
+
+    def stream(self, *args, **kw):  # type: ignore[no-untyped-def]
+        return iter(())
+
+
+def _sent_headers(sign_payload: bool, monkeypatch) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """The headers an upload_part to an http endpoint goes out with (caught before it is
+    sent, answered with an empty 200)."""
+    from botocore.awsrequest import AWSResponse
+
+    from objcache.store.s3 import make_client
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    client = make_client("http://127.0.0.1:9", "us-east-1", 2, sign_payload=sign_payload)
+    sent: dict[str, str] = {}
+
+    def catch(request, **kw):  # type: ignore[no-untyped-def]
+        sent.update({k.lower(): v.decode() if isinstance(v, bytes) else v
+                     for k, v in request.headers.items()})
+        return AWSResponse(request.url, 200, {"ETag": '"e"'}, _Raw())
+
+    client.meta.events.register("before-send.s3.UploadPart", catch)
+    client.upload_part(Bucket="b", Key="k", UploadId="u", PartNumber=1, Body=b"x" * 1000)
+    return sent
+
+
+def test_uploads_are_not_hashed_unless_asked(monkeypatch) -> None:  # type: ignore
+    """Over http botocore hashed every upload's body with SHA-256 before sending it: half
+    of the daemon's CPU per uploaded GiB. The CRC32 checksum header stays (signed)."""
+    import hashlib
+    plain = _sent_headers(False, monkeypatch)
+    assert plain["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
+    assert "x-amz-checksum-crc32" in plain
+    assert "x-amz-checksum-crc32" in plain["authorization"]  # (a signed header)
+    signed = _sent_headers(True, monkeypatch)
+    assert signed["x-amz-content-sha256"] == hashlib.sha256(b"x" * 1000).hexdigest()
