@@ -7,6 +7,7 @@ checkpoint twice, once for the close and once for nothing, on the same cores."""
 from __future__ import annotations
 
 import trio
+import trio.testing
 
 from objcache.backend.staging import Stager
 from objcache.cache.localfiles import LocalFile
@@ -46,45 +47,45 @@ class Local:
         return False
 
 
-def _writing(size: int) -> LocalFile:
+def _writing(size: int) -> tuple[Txn, Dirty, Stager, LocalFile]:
+    """A stager, and a file being written through us, `size` bytes so far."""
+    txn, dirty = Txn(), Dirty()
     lf = LocalFile(1, "ckpt.pt", "/nonexistent")
     lf.writers = lf.opens = 1
     lf.size = size
     lf.dirty = True
-    return lf
+    return txn, dirty, Stager(txn, dirty, Local(), STEP), lf  # type: ignore[arg-type]
+
+
+async def _poll(stager: Stager, lf: LocalFile, nursery: trio.Nursery) -> None:
+    """The stage loop's look at `lf`, and whatever staging it starts, until it waits."""
+    stager.poll(lf, nursery)
+    await trio.testing.wait_all_tasks_blocked()
 
 
 async def test_a_file_whose_close_took_its_staging_is_not_staged_again() -> None:
-    txn, dirty = Txn(), Dirty()
-    stager = Stager(txn, dirty, Local(), STEP)  # type: ignore[arg-type]
-    lf = _writing(3 * STEP)
+    txn, dirty, stager, lf = _writing(3 * STEP)
     async with trio.open_nursery() as nursery:
-        stager.poll(lf, nursery)
-        await trio.testing.wait_all_tasks_blocked()
+        await _poll(stager, lf, nursery)
         assert txn.staged == [("b", dirty.exposed[0], 3 * STEP)]
         fin = await stager.finish(lf)  # the close
         assert fin.staged == {"b": (dirty.exposed[0], 3 * STEP)}
         stager.sweep()
-        stager.poll(lf, nursery)  # the stage loop, while the close replicates
-        await trio.testing.wait_all_tasks_blocked()
+        await _poll(stager, lf, nursery)  # the stage loop, while the close replicates
         assert len(dirty.exposed) == 1 and len(txn.staged) == 1
         # Written again (the same handle, after its close): that is new, and staged.
         lf.version += 1
         lf.size = 5 * STEP
-        stager.poll(lf, nursery)
-        await trio.testing.wait_all_tasks_blocked()
+        await _poll(stager, lf, nursery)
         assert len(dirty.exposed) == 2
         assert txn.staged[-1] == ("b", dirty.exposed[1], 5 * STEP)
         await stager.finish(lf)
 
 
 async def test_a_closed_file_is_forgotten_once_clean() -> None:
-    txn, dirty = Txn(), Dirty()
-    stager = Stager(txn, dirty, Local(), STEP)  # type: ignore[arg-type]
-    lf = _writing(2 * STEP)
+    _, _, stager, lf = _writing(2 * STEP)
     async with trio.open_nursery() as nursery:
-        stager.poll(lf, nursery)
-        await trio.testing.wait_all_tasks_blocked()
+        await _poll(stager, lf, nursery)
         await stager.finish(lf)
         lf.dirty = False  # committed
         stager.sweep()
