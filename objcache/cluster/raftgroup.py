@@ -455,13 +455,32 @@ class RaftGroup(Generic[T]):
         assert self._nursery is not None
         self._nursery.start_soon(self._hand_over, node, tag)
 
+    def _give_up_promotion(self, node: RaftNode) -> None:
+        """The learner goes on serving; the voter that was to replace it goes."""
+        with self._deliver_lock:
+            self._promoting = self._promoting_tag = None
+            self._held = []
+        node.destroy()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
     async def _hand_over(self, node: RaftNode, tag: _Tag) -> None:
         """Once the new voter has a leader, votes and has applied as far as the learner, it
         becomes this node's member; until then the learner serves."""
         deadline = trio.current_time() + PROMOTE_WAIT
         nudged = trio.current_time()
+        counted = False  # the group has counted us as a voter since this promotion began
         while True:
             if self._promoting is not node:
+                return
+            voters = self.learner.voters if self.learner is not None else []
+            counted = counted or self.addr in voters
+            if counted and self.addr not in voters:
+                # Removed meanwhile (a voter restarted with its journal starts its voter at
+                # once, and the leader, which had taken it for dead, removed it 65 ms later:
+                # seed 5004). Waiting out PROMOTE_WAIT left it "promoting" for 120 s.
+                log.info("raft: the group no longer counts this node as a voter; staying "
+                         "a learner")
+                self._give_up_promotion(node)
                 return
             st = node.status()
             if st["leader"] and not node.voting and trio.current_time() - nudged > 1.0:
@@ -485,11 +504,7 @@ class RaftGroup(Generic[T]):
             if trio.current_time() > deadline:
                 log.warning("raft: the new voter did not catch up in %.0fs; staying a "
                             "learner", PROMOTE_WAIT)
-                with self._deliver_lock:
-                    self._promoting = self._promoting_tag = None
-                    self._held = []
-                node.destroy()
-                shutil.rmtree(self.dir, ignore_errors=True)
+                self._give_up_promotion(node)
                 return
             await trio.sleep(0.1)
         learner = self.learner
