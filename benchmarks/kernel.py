@@ -28,12 +28,14 @@ itself costs (none for "before": it has no such section).
 2. Warm safetensors load of a SIZE model (benchmarks.reads.make_model/load_seconds: a fresh
    process, page cache dropped) against the same load of a local copy.
 3. `torch.save` of SIZE (benchmarks.writes.save, a fresh process) into a 1-node mount, three
-   times back to back (ckpt0..2.pt, `objcache flush` after each), each followed by the same
-   save to a local file; each save and ratio is reported.
-4. The same save into a 3-node cluster with `--replicas 2` (on node 0), five times back to
-   back (ckpt0..4.pt, each flushed), each followed by the same save to a local file of its
-   own; each pair is reported, and the median. SeaweedFS's CPU during each save of
-   figures 3 and 4 is reported too: here it shares the two cores with the save.
+   times back to back (ckpt0..2.pt, `objcache flush` after each), each paired with the same
+   save to a local file, in alternating order (the local one first for the 1st and 3rd:
+   whichever runs second is slower here, see `save_pair`); each save and ratio is reported.
+4. The same save into a 3-node cluster with `--replicas 2` (on node 0), eight times back to
+   back (ckpt0..7.pt, each flushed), each paired with the same save to a local file of its
+   own, in alternating order; each pair is reported, and the median. SeaweedFS's CPU during
+   each save of figures 3 and 4 is reported too: here it shares the two cores with the
+   save.
 5. SMALL files of 16 KiB read by 8 threads (benchmarks.metadata.read_tree), warm (read once
    before, page cache dropped): files/s, against the same files in a local directory.
 6. Warm `ls -l` (the second one; the directory listed once before) of a directory of
@@ -414,8 +416,38 @@ def server_cpu(b: Bench, s0: float) -> float:
     return round(cpu_seconds(b.server_pid) - s0, 2)
 
 
+def save_pair(b: Bench, m: Mount, i: int, name: str, seed: int,
+              less: dict[str, Any] | None) -> dict[str, Any]:
+    """One objcache save (flushed after) and its local twin, the twin first when `i` is
+    even and last when it is odd, as in `next_to`. Whichever save runs right after the
+    other one's runs slower, whoever it is: this VM hands the second 1 GiB of fresh page
+    cache out more slowly. With the twin always first, every objcache save ran in that
+    slot (2026-11-27, 3 nodes: torch's writes into the mount took 0.85-1.35 s against
+    0.24-0.35 s locally; with objcache first, 0.23-0.30 s against 0.93-1.62 s)."""
+
+    def ours() -> dict[str, Any]:
+        s0 = cpu_seconds(b.server_pid)
+        fig = watched(m, partial(save_seconds, m.mnt / name, b.size, seed), less, False)
+        fig["server_cpu_s"] = server_cpu(b, s0)
+        fig["flush_s"] = flush_seconds(m)
+        return fig
+
+    def theirs() -> float:
+        return save_seconds(b.local / name, b.size, seed)
+
+    if i % 2:
+        fig = ours()
+        fig["local_s"] = theirs()
+    else:
+        local_s = theirs()
+        fig = {**ours(), "local_s": local_s}
+    fig["local_first"] = not i % 2
+    return fig
+
+
 def saves(b: Bench, column: str) -> list[dict[str, Any]]:
-    """Figure 3: three saves back to back, each flushed, each followed by a local one."""
+    """Figure 3: three saves back to back, each flushed, each paired with a local one
+    (in alternating order: `save_pair`)."""
     bucket = f"{b.profile}-saves-{column}"
     b.s3.create_bucket(Bucket=bucket)
     out: list[dict[str, Any]] = []
@@ -423,12 +455,7 @@ def saves(b: Bench, column: str) -> list[dict[str, Any]]:
         with single(b, bucket, f"saves-{column}", column) as m:
             less = status_cost(m)
             for i in range(3):
-                s0 = cpu_seconds(b.server_pid)
-                fig = watched(m, partial(save_seconds, m.mnt / f"ckpt{i}.pt", b.size, i + 1),
-                              less, False)
-                fig["server_cpu_s"] = server_cpu(b, s0)
-                fig["flush_s"] = flush_seconds(m)
-                fig["local_s"] = save_seconds(b.local / f"ckpt{i}.pt", b.size, i + 1)
+                fig = save_pair(b, m, i, f"ckpt{i}.pt", i + 1, less)
                 fig["rss_mb"] = peak_rss_mb(m.proc.pid)
                 out.append(fig)
     finally:
@@ -438,25 +465,21 @@ def saves(b: Bench, column: str) -> list[dict[str, Any]]:
     return out
 
 
+CLUSTER_SAVES = 8  # even: as many pairs with the local twin first as last (`save_pair`)
+
+
 def cluster_save(b: Bench, column: str) -> dict[str, Any]:
-    """Figure 4: REPS saves into node 0 of 3 with --replicas 2, each flushed and followed
-    by a local one (to a file of its own, as the cluster's saves are: a training job
-    keeps its checkpoints)."""
+    """Figure 4: CLUSTER_SAVES saves into node 0 of 3 with --replicas 2, each flushed and
+    paired with a local one (to a file of its own, as the cluster's saves are: a training
+    job keeps its checkpoints), in alternating order (`save_pair`)."""
     bucket = f"{b.profile}-cluster-{column}"
     b.s3.create_bucket(Bucket=bucket)
     try:
         with cluster(b, bucket, f"cluster-save-{column}", column, 3,
                      "--replicas", "2") as nodes:
             first = nodes[0]
-            runs = []
-            for i in range(REPS):
-                s0 = cpu_seconds(b.server_pid)
-                fig = watched(first, partial(save_seconds, first.mnt / f"ckpt{i}.pt",
-                                             b.size, 4 + i), status_cost(first), False)
-                fig["server_cpu_s"] = server_cpu(b, s0)
-                fig["flush_s"] = flush_seconds(first)
-                fig["local_s"] = save_seconds(b.local / f"ckpt{i}.pt", b.size, 4 + i)
-                runs.append(fig)
+            runs = [save_pair(b, first, i, f"ckpt{i}.pt", 4 + i, status_cost(first))
+                    for i in range(CLUSTER_SAVES)]
         return {"s": statistics.median(f["s"] for f in runs),
                 "local_s": statistics.median(f["local_s"] for f in runs),
                 "cpu_s": statistics.median(f["cpu_s"] for f in runs),
@@ -465,7 +488,7 @@ def cluster_save(b: Bench, column: str) -> dict[str, Any]:
                 "flush_s": [round(f["flush_s"], 2) for f in runs],
                 "server_cpu_s": [f["server_cpu_s"] for f in runs], "fuse": runs[-1]["fuse"]}
     finally:
-        for i in range(REPS):
+        for i in range(CLUSTER_SAVES):
             (b.local / f"ckpt{i}.pt").unlink(missing_ok=True)
         drop_bucket(b.s3, bucket)
 
@@ -735,9 +758,10 @@ def report(res: dict[str, Any]) -> list[str]:
             ("   `objcache flush` after each: s", flushes, ("saves",)),
             ("   daemon CPU s during each save", save_cpu, ("saves",)),
             ("   S3 server (SeaweedFS) CPU s during each save", server_cpus, ("saves",)),
-            (f"4. torch.save of {big}, 3 nodes, --replicas 2, {REPS} saves: median s "
+            (f"4. torch.save of {big}, 3 nodes, --replicas 2, {CLUSTER_SAVES} saves: median s "
              "(median x local's time)", _time, ("cluster_save",)),
-            ("   each save in order: local s / objcache s (x)", each_save, ("cluster_save",)),
+            ("   each save in order: local s / objcache s (x); the local one first in the 1st, "
+             "3rd, ... pair", each_save, ("cluster_save",)),
             ("   daemon CPU s / FUSE requests during it (node 0)", _cost, ("cluster_save",)),
             ("   S3 server (SeaweedFS) CPU s during each save", server_cpus,
              ("cluster_save",)),
