@@ -567,8 +567,10 @@ def fill(s3: Any, local: Path, size: int, names: list[str], entries: int) -> Non
 
 def s3_home(work: Path, size: int, small: int, entries: int) -> Path:
     """A tmpfs directory for SeaweedFS if memory allows its data there, else one in `work`:
-    the read data, three checkpoints, and as much again for the processes."""
-    need = (2 * size + (small + entries) * SMALL + 3 * size) + 2 * size + GiB
+    the read data, the checkpoints of one save figure (each figure's bucket is dropped
+    once measured: figure 4 keeps CLUSTER_SAVES), and room for the processes."""
+    need = (2 * size + (small + entries) * SMALL + max(3, CLUSTER_SAVES) * size) \
+        + 2 * size + GiB
     with open("/proc/meminfo") as f:
         avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable"))
     shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
