@@ -469,6 +469,7 @@ class RaftGroup(Generic[T]):
         deadline = trio.current_time() + PROMOTE_WAIT
         nudged = trio.current_time()
         counted = False  # the group has counted us as a voter since this promotion began
+        first = set(self.learner.voters) if self.learner is not None else set()
         while True:
             if self._promoting is not node:
                 return
@@ -480,6 +481,18 @@ class RaftGroup(Generic[T]):
                 # seed 5004). Waiting out PROMOTE_WAIT left it "promoting" for 120 s.
                 log.info("raft: the group no longer counts this node as a voter; staying "
                          "a learner")
+                self._give_up_promotion(node)
+                return
+            if (not counted and len(voters) >= self.max_voters
+                    and set(voters) != first):
+                # The voters changed to a full set without us: the leader filled the
+                # place with another learner. It makes one change at a time, so it no
+                # longer means to add us; a request that gave up on us and still reached
+                # us after a cut healed started this promotion (seed 5103: "promoting"
+                # for 120 s). (Full without us from the start is not enough: our view
+                # may not yet show the removal that made the place.)
+                log.info("raft: the group filled its voters without this node; staying a "
+                         "learner")
                 self._give_up_promotion(node)
                 return
             st = node.status()
