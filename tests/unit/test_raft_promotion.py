@@ -59,17 +59,25 @@ def _promoting(tmp_path: Path, voters: list[str]) -> tuple[RaftGroup, Learner, V
     return g, learner, voter
 
 
-async def test_a_promotion_ends_when_the_group_removes_this_node(tmp_path: Path) -> None:
-    g, learner, voter = _promoting(tmp_path, ["10.0.0.1:7001", "10.0.0.2:7001", ME])
+async def _hand_over_until_voters_become(g: RaftGroup, learner: Learner, voter: Voter,
+                                         later: list[str]) -> None:
+    """`_hand_over` while the learner's view of the voters changes to `later` after
+    0.3 s; it must end by itself within 5 s."""
 
-    async def removed() -> None:
+    async def change() -> None:
         await trio.sleep(0.3)
-        learner.voters = ["10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.4:7001"]
+        learner.voters = later
 
     with trio.fail_after(5):
         async with trio.open_nursery() as n:
-            n.start_soon(removed)
+            n.start_soon(change)
             await g._hand_over(voter, g._promoting_tag)  # type: ignore[arg-type]
+
+
+async def test_a_promotion_ends_when_the_group_removes_this_node(tmp_path: Path) -> None:
+    g, learner, voter = _promoting(tmp_path, ["10.0.0.1:7001", "10.0.0.2:7001", ME])
+    await _hand_over_until_voters_become(
+        g, learner, voter, ["10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.4:7001"])
     assert voter.destroyed and g._promoting is None and not learner.stopped
 
 
@@ -96,13 +104,6 @@ async def test_a_promotion_ends_when_the_voters_fill_up_without_this_node(
     assert not voter.destroyed and g._promoting is voter
 
     g, learner, voter = _promoting(tmp_path, ["10.0.0.1:7001", "10.0.0.2:7001"])
-
-    async def filled() -> None:
-        await trio.sleep(0.3)
-        learner.voters = ["10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.4:7001"]
-
-    with trio.fail_after(5):
-        async with trio.open_nursery() as n:
-            n.start_soon(filled)
-            await g._hand_over(voter, g._promoting_tag)  # type: ignore[arg-type]
+    await _hand_over_until_voters_become(
+        g, learner, voter, ["10.0.0.1:7001", "10.0.0.2:7001", "10.0.0.4:7001"])
     assert voter.destroyed and g._promoting is None and not learner.stopped
