@@ -125,8 +125,12 @@ class ReplicatedBackend:
 
     async def _stage_while_writing(self, nursery: trio.Nursery) -> None:
         """Wakes when a working copy completes a chunk (LocalFiles.changed): the likely
-        replicas of files being written pull the new bytes (objcache.backend.staging)."""
+        replicas of files being written pull the new bytes (objcache.backend.staging).
+        It also wakes when a writer starts to wait for room: write-back looks again at
+        once rather than at its next tick, since only its uploads free that room."""
         while True:
+            if self.local.space.waiting_for_room:
+                self.flusher.wake.set()
             self.local.changed = trio.Event()
             self.stager.sweep()
             for lf in list(self.local.dirty_files()):
@@ -169,6 +173,10 @@ class ReplicatedBackend:
                     continue
                 if c.uploaded is not None:
                     out.append(Change(c.key, None, c.uploaded))
+                    if self.local.space.crowded:
+                        # (another node's upload: its blob here can go now, and a
+                        # writer may wait for that room)
+                        self.flusher.wake.set()
                     continue
                 live = None if isinstance(c.entry, Tombstone) else c.entry
                 out.append(Change(c.key, live, None, ours=by == me))
@@ -329,6 +337,7 @@ class ReplicatedBackend:
                 lf.dirty = False
                 self.dirty.drop(cid)
                 return None
+            self.dirty.committed_here(cid)
             if lf.version == version:
                 lf.dirty = False
                 lf.dirty_since = None

@@ -349,6 +349,15 @@ class DirtyStore:
             pass
         self._release(size)
 
+    def committed_here(self, cid: str) -> None:
+        """This node's commit that refers to blob `cid` succeeded: once no entry refers to
+        it (written back), `gc` drops it without the grace for a commit still on its way.
+        Without this the writer learnt it only from a gc pass that saw the entry, and an
+        upload that cleaned the entry before the next pass left the blob (and the writer
+        waiting for its room) for KEEP_UNREFERENCED."""
+        if cid in self.sizes:
+            self.committed.add(cid)
+
     def gc(self, referenced: set[str]) -> int:
         """Drop blobs nothing refers to (after a grace period for ones being committed)."""
         self._drop_stale_stages()

@@ -266,6 +266,8 @@ class ClusterFlusher:
         self._claimed.discard(key)
         if res.get("ok"):
             self.uploaded += 1
+            if self.space.crowded:
+                self.wake.set()  # the loop drops the blob now: a writer may wait on it
         else:
             log.debug("%r changed while it was written back; it stays dirty", key)
 

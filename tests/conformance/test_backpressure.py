@@ -21,6 +21,7 @@ from objcache.errors import ObjcacheError
 from tests.helpers.inproc import FaultyStore, MiB, Posix, cluster, config, node
 from tests.helpers.memstore import MemoryStore
 
+UPLOAD_TIME = 0.5
 SMALL = {"cache_size": 12 * MiB, "writeback_delay": 3600.0, "s3_retry_seconds": 1.5}
 
 
@@ -50,6 +51,10 @@ async def _write_in_pieces(fs: Posix, path: str, data: bytes, piece: int = MiB) 
 async def test_checkpoints_bigger_than_the_cache_wait_for_write_back(
         kind: str, tmp_path: Path) -> None:
     store = FaultyStore(MemoryStore())
+    # Each upload takes UPLOAD_TIME: the third checkpoint cannot find its room freed
+    # before it needs it, whenever write-back starts, so it must wait (a fast upload
+    # could free it first, and then nothing here would be shown).
+    store.stall("put", UPLOAD_TIME, times=10**6)
     files = {f"ckpt{i}.pt": os.urandom(5 * MiB) for i in range(3)}  # 15 MiB, cache 12
     async with writer(kind, store, tmp_path) as p:
         fs = Posix(p.fs)

@@ -1,6 +1,7 @@
 """Blobs of objcache/txn/dirtystore.py: a holder that fails midway fails the pull with its
 own error, leaves no partial blob, and the next pull works; a blob sealed as a hard link
-gets a file of its own before its working copy changes."""
+gets a file of its own before its working copy changes; a blob whose commit this node made
+goes at the first gc after its entry is written back."""
 
 from __future__ import annotations
 
@@ -113,3 +114,22 @@ def _same_as(expected: bytes):  # type: ignore[no-untyped-def]
     async def fn(path: str) -> bool:
         return _read(path) == expected
     return fn
+
+
+def test_a_blob_committed_here_goes_at_the_first_gc_once_written_back(tmp_path: Path
+                                                                      ) -> None:
+    """The writer's blob, committed and then written back before any gc pass saw its entry
+    (a fast upload in a crowded cache): the next gc drops it, freeing the room a writer
+    waits for. A blob pulled for a commit still on its way keeps its grace. (Before
+    `committed_here`, both were kept for KEEP_UNREFERENCED: the CI flake of
+    test_checkpoints_bigger_than_the_cache_wait_for_write_back[replicated].)"""
+    freed: list[int] = []
+    ds = DirtyStore(tmp_path, lambda n: True, freed.append)
+    for cid in ("mine", "pending"):
+        work = tmp_path / f"{cid}.work"
+        work.write_bytes(b"x" * 4096)
+        ds.seal(cid, str(work), 4096)
+    ds.committed_here("mine")
+    assert ds.gc(referenced=set()) == 1  # "mine" was written back: nothing refers to it
+    assert not ds.has("mine") and ds.has("pending")
+    assert freed == [4096]
