@@ -268,6 +268,10 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
                  joining_mark: Path | None = None) -> None:
         self.state = state
         self.on_applied = on_applied  # set before __init__: never dumped
+        # The last index `_apply` applied. pysyncobj answers a command (its callback)
+        # before it counts the entry applied (raftLastApplied), so a caller woken by the
+        # answer could read an applied index one short of its own command.
+        self.applied_through = 0
         self.feed = Feed()
         self._fed_state = state
         self.joining = joining  # see FollowerFix: no vote until caught up
@@ -299,6 +303,7 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
                 self._fed_state = self.state
             result = apply_entry(self.state, blob, index, self.on_applied)
             self.feed.add(index, blob)
+            self.applied_through = index
         self.feed.on_add()
         return index, result
 
@@ -550,8 +555,9 @@ class RaftNode:
         return ([result] if len(blobs) == 1 else list(result)), int(index)
 
     def applied_index(self) -> int:
-        """The last log index applied here."""
-        return int(self._replica.raftLastApplied)
+        """The last log index applied here (a command's own index once its answer came)."""
+        r = self._replica
+        return max(int(r.raftLastApplied), r.applied_through)
 
     def fed_index(self) -> int:
         """The index through which the feed holds every command applied here: the applied

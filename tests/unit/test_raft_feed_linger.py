@@ -1,9 +1,11 @@
 """A learner's feed request lingers for more entries once it has some, so a learner wakes
 once for several entries; and answers at once when the learner waits for an entry (a read
-barrier, its own command: `raft_feed_now`). One real voter in this process."""
+barrier, its own command: `raft_feed_now`). A command's answer finds it counted as
+applied. One real voter in this process."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import trio
 
 from objcache.cluster.membership import Member
 from objcache.cluster.raftgroup import RaftGroup
-from objcache.raft.node import RaftNode
+from objcache.raft.node import RaftNode, pack
 from tests.helpers.cluster import free_port
 from tests.helpers.raftlog import Log, submit_once_led
 
@@ -72,5 +74,29 @@ async def test_a_feed_request_lingers_unless_the_learner_hurries_it(tmp_path: Pa
             nursery.start_soon(commands, ["e"], 0)
             entries, took = await _feed(g, after, 1.0)
         assert len(entries) == 1 and took < 0.5, (len(entries), took)
+    finally:
+        node.destroy()
+
+
+async def test_a_command_counts_as_applied_when_its_answer_comes(tmp_path: Path) -> None:
+    """pysyncobj answers a command (runs its callback) before it counts the entry applied:
+    `applied_index()` read by the answer's receiver must still include it. (The test above
+    took a feed's start from it right after a submit and, one time in CI, got the first
+    command back as a fourth entry.)"""
+    addr = f"127.0.0.1:{free_port()}"
+    node = RaftNode(addr, [addr], tmp_path / "m0", "k" * 32, Log())
+    try:
+        await submit_once_led(node, "first", 20)
+        seen: list[tuple[int, int]] = []
+        done = threading.Event()
+
+        def answered(res: Any, err: Any) -> None:  # pysyncobj's thread, as for any command
+            seen.append((res[0], node.applied_index()))
+            done.set()
+
+        node._replica._apply(pack({"name": "second"}), callback=answered)
+        assert await trio.to_thread.run_sync(done.wait, 5.0)
+        (index, applied), = seen
+        assert applied == index
     finally:
         node.destroy()
