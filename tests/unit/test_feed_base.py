@@ -14,15 +14,9 @@ from typing import Any
 import msgpack
 
 from objcache.cluster.learner import Learner
-from objcache.cluster.membership import Member
 from objcache.cluster.raftgroup import RaftGroup
 from objcache.raft.node import Feed
-
-
-class FakeMembership:
-    def __init__(self) -> None:
-        self.me = Member("n0", "n0", 1, 1, raft="r0")
-        self.members: dict[str, Member] = {}
+from tests.helpers.fake_membership import FakeMembership
 
 
 def test_a_feed_started_from_a_state_hands_out_only_what_follows_it() -> None:

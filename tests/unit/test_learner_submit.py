@@ -11,16 +11,8 @@ from typing import Any
 import pytest
 
 from objcache.cluster.learner import SUBMIT_AVOID_SECONDS, Learner
-from objcache.cluster.membership import Member
 from objcache.errors import NoQuorum
-
-
-class FakeMembership:
-    def __init__(self) -> None:
-        self.me = Member("n9", "n9", 1, 1, raft="r9")
-        self.members = {f"n{i}": Member(f"n{i}", f"n{i}", 1, 1, raft=f"r{i}")
-                        for i in range(3)}
-        self.suspects: set[str] = set()
+from tests.helpers.fake_membership import FakeMembership, numbered
 
 
 class Client:
@@ -41,7 +33,7 @@ async def _wait(index: int, deadline: float, active: bool) -> None:
 
 
 def _learner(client: Client) -> Learner:
-    learner = Learner(client, FakeMembership(), {}, ["r0", "r1", "r2"], "g",  # type: ignore[arg-type]
+    learner = Learner(client, FakeMembership("n9", others=numbered(3)), {}, ["r0", "r1", "r2"], "g",  # type: ignore[arg-type]
                       lambda s, c, i: None, _wait, lambda i: None)
     learner.leader = "r0"
     learner.source = "n1"  # the voter it follows (not the leader)

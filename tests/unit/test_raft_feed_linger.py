@@ -12,17 +12,11 @@ from typing import Any
 import msgpack
 import trio
 
-from objcache.cluster.membership import Member
 from objcache.cluster.raftgroup import RaftGroup
 from objcache.raft.node import RaftNode, pack
 from tests.helpers.cluster import free_port
+from tests.helpers.fake_membership import FakeMembership
 from tests.helpers.raftlog import Log, submit_once_led
-
-
-class FakeMembership:
-    def __init__(self) -> None:
-        self.me = Member("n0", "n0", 1, 1, raft="r0")
-        self.members: dict[str, Member] = {}
 
 
 async def _feed(g: RaftGroup[Any], after: int, linger: float) -> tuple[list[Any], float]:

@@ -12,12 +12,7 @@ import trio
 
 from objcache.cluster.membership import ALIVE, Member
 from objcache.cluster.raftgroup import FORM_WAIT, RaftGroup
-
-
-class FakeMembership:
-    def __init__(self, me: str) -> None:
-        self.me = Member(me, me, 1, 1, raft=f"{me}r")
-        self.members: dict[str, Member] = {}
+from tests.helpers.fake_membership import FakeMembership
 
 
 def _group(ms: FakeMembership, tmp_path: Path) -> tuple[RaftGroup[Any], list[str]]:
@@ -38,7 +33,7 @@ def _group(ms: FakeMembership, tmp_path: Path) -> tuple[RaftGroup[Any], list[str
 
 async def test_a_node_that_knows_only_a_joining_seed_waits_for_the_group(
         tmp_path: Path, autojump_clock: Any) -> None:
-    ms = FakeMembership("n4")
+    ms = FakeMembership("n4", raft="n4r")
     ms.members["n5"] = Member("n5", "n5", 1, 1, raft="n5r")  # a seed joining too
     g, did = _group(ms, tmp_path)
 
@@ -54,7 +49,7 @@ async def test_a_node_that_knows_only_a_joining_seed_waits_for_the_group(
 
 async def test_nodes_starting_from_zero_let_the_lowest_id_form(tmp_path: Path,
                                                                autojump_clock: Any) -> None:
-    lowest = FakeMembership("n1")
+    lowest = FakeMembership("n1", raft="n1r")
     lowest.members["n2"] = Member("n2", "n2", 1, 1, raft="n2r")
     g, did = _group(lowest, tmp_path)
     t0 = trio.current_time()
@@ -62,7 +57,7 @@ async def test_nodes_starting_from_zero_let_the_lowest_id_form(tmp_path: Path,
     assert did == ["formed"]
     assert trio.current_time() - t0 < FORM_WAIT + 0.5
 
-    other = FakeMembership("n2")
+    other = FakeMembership("n2", raft="n2r")
     other.members["n1"] = Member("n1", "n1", 1, 1, raft="n1r", state=ALIVE)
     g, did = _group(other, tmp_path / "2")
 
@@ -77,7 +72,7 @@ async def test_nodes_starting_from_zero_let_the_lowest_id_form(tmp_path: Path,
 
 
 async def test_a_first_node_forms_at_once(tmp_path: Path, autojump_clock: Any) -> None:
-    g, did = _group(FakeMembership("n0"), tmp_path)
+    g, did = _group(FakeMembership("n0", raft="n0r"), tmp_path)
     t0 = trio.current_time()
     await g._enter_group()
     assert did == ["formed"] and trio.current_time() == t0

@@ -13,12 +13,7 @@ import trio
 
 from objcache.cluster.membership import ALIVE, DEAD, LEFT, Member
 from objcache.cluster.raftgroup import RaftGroup
-
-
-class FakeMembership:
-    def __init__(self) -> None:
-        self.me = Member("n0", "n0", 1, 1, raft="r0")
-        self.members: dict[str, Member] = {}
+from tests.helpers.fake_membership import FakeMembership
 
 
 class Client:

@@ -13,19 +13,12 @@ from typing import Any
 import trio
 
 from objcache.cluster.learner import Learner
-from objcache.cluster.membership import Member
 from objcache.cluster.raftgroup import RaftGroup
 from objcache.cluster.readindex import ReadIndex
 from objcache.raft.node import RaftNode
 from tests.helpers.cluster import free_port
+from tests.helpers.fake_membership import FakeMembership
 from tests.helpers.raftlog import Log, submit_once_led
-
-
-class FakeMembership:
-    def __init__(self, voter_raft: str) -> None:
-        self.me = Member("n1", "n1", 1, 1, raft="r1")
-        self.members = {"n0": Member("n0", "n0", 1, 1, raft=voter_raft)}
-        self.suspects: set[str] = set()
 
 
 class Routed:
@@ -48,7 +41,7 @@ def _voter(tmp_path: Path) -> tuple[str, RaftNode, RaftGroup[Any], Routed]:
     """A real voter, alone in its group, with the handlers a learner's calls go to."""
     addr = f"127.0.0.1:{free_port()}"
     node = RaftNode(addr, [addr], tmp_path / "m0", "k" * 32, Log())
-    g: RaftGroup[Any] = RaftGroup(FakeMembership(addr), None, None, addr,  # type: ignore[arg-type]
+    g: RaftGroup[Any] = RaftGroup(FakeMembership("n1", others={"n0": addr}), None, None, addr,  # type: ignore[arg-type]
                                   tmp_path / "g", "k" * 32, dict, lambda m, c: None)
     g._current = node
     g._token = trio.lowlevel.current_trio_token()
@@ -66,7 +59,7 @@ async def test_a_learners_command_comes_back_with_the_log_up_to_it(tmp_path: Pat
         if learner.applied < index:
             raise AssertionError(f"entry {index} was not applied when submit returned")
 
-    learner = Learner(client, FakeMembership(addr), Log(), [addr],  # type: ignore[arg-type]
+    learner = Learner(client, FakeMembership("n1", others={"n0": addr}), Log(), [addr],  # type: ignore[arg-type]
                       g.group, lambda m, c, i: None, wait_applied, progress.append)
     try:
         await submit_once_led(node, "before", 20)
@@ -106,9 +99,9 @@ async def test_a_learners_read_barrier_comes_back_with_the_log_up_to_it(tmp_path
         if learner.applied < index:
             raise AssertionError(f"entry {index} was not applied when the answer came")
 
-    learner = Learner(client, FakeMembership(addr), Log(), [addr],  # type: ignore[arg-type]
+    learner = Learner(client, FakeMembership("n1", others={"n0": addr}), Log(), [addr],  # type: ignore[arg-type]
                       g.group, lambda m, c, i: None, wait_applied, lambda i: None)
-    reader = ReadIndex(FakeMembership(addr), client, lambda: learner,  # type: ignore[arg-type]
+    reader = ReadIndex(FakeMembership("n1", others={"n0": addr}), client, lambda: learner,  # type: ignore[arg-type]
                        lambda: g.group, wait_applied)
     try:
         await submit_once_led(node, "before", 20)

@@ -11,16 +11,8 @@ from typing import Any
 
 import trio
 
-from objcache.cluster.membership import Member
 from objcache.cluster.readindex import ReadIndex
-
-
-class FakeMembership:
-    def __init__(self) -> None:
-        self.me = Member("n0", "n0", 1, 1, raft="r0")
-        self.members = {f"n{i}": Member(f"n{i}", f"n{i}", 1, 1, raft=f"r{i}")
-                        for i in range(5)}
-        self.suspects: set[str] = set()
+from tests.helpers.fake_membership import FakeMembership, numbered
 
 
 class Voters:
@@ -67,7 +59,7 @@ class Leader:
 def _reads(voters: Voters) -> ReadIndex:
     async def wait_applied(index: int, deadline: float) -> None:
         pass
-    return ReadIndex(FakeMembership(), voters, lambda: None, lambda: "g",  # type: ignore[arg-type]
+    return ReadIndex(FakeMembership(others=numbered(5)), voters, lambda: None, lambda: "g",  # type: ignore[arg-type]
                      wait_applied)
 
 
