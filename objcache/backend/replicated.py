@@ -173,9 +173,9 @@ class ReplicatedBackend:
                     continue
                 if c.uploaded is not None:
                     out.append(Change(c.key, None, c.uploaded))
-                    if self.local.space.crowded:
-                        # (another node's upload: its blob here can go now, and a
-                        # writer may wait for that room)
+                    if by != me and self.local.space.crowded:
+                        # Another node's upload: our blob of it can go now, and a writer
+                        # may wait for that room. (Our own clean wakes the flusher there.)
                         self.flusher.wake.set()
                     continue
                 live = None if isinstance(c.entry, Tombstone) else c.entry
