@@ -237,8 +237,11 @@ class CurlEngine:
                 if self._deadline is not None and time.monotonic() >= self._deadline:
                     self._deadline = None
                     self._act(pycurl.SOCKET_TIMEOUT, 0)
-                self._take()
+                # Reaped first: the connections the finished transfers free go to what
+                # waits in the queue now. (Taken before the reaping, a queue left behind
+                # by transfers that all ended in this turn waited for the idle poll.)
                 self._reap()
+                self._take()
         except BaseException:
             log.exception("the HTTP engine failed; its requests fail and the next one "
                           "starts it again")
