@@ -26,11 +26,13 @@ itself costs (none for "before": it has no such section).
    filled, so that both sides were written as recently: this VM's host reads freshly
    written files up to 2x slower for a minute or more.)
 2. Warm safetensors load of a SIZE model (benchmarks.reads.make_model/load_seconds: a fresh
-   process, page cache dropped) against the same load of a local copy.
-3. `torch.save` of SIZE (benchmarks.writes.save, a fresh process) into a 1-node mount, three
-   times back to back (ckpt0..2.pt, `objcache flush` after each), each paired with the same
-   save to a local file, in alternating order (the local one first for the 1st and 3rd:
-   whichever runs second is slower here, see `save_pair`); each save and ratio is reported.
+   process, page cache dropped) against the same load of a local copy. The control, as in
+   figure 1: the cache's own file of the model loaded the same way without FUSE.
+3. `torch.save` of SIZE (benchmarks.writes.save, a fresh process) into a 1-node mount, SAVES
+   times back to back (ckpt0.pt, ..., `objcache flush` after each), each paired with the
+   same save to a local file, in alternating order (the local one first for the 1st, 3rd,
+   ...: whichever runs second is slower here, see `save_pair`); each pair is reported, and
+   the medians (one save's ratio moves by 0.1-0.4 from one to the next on this VM).
 4. The same save into a 3-node cluster with `--replicas 2` (on node 0), eight times back to
    back (ckpt0..7.pt, each flushed), each paired with the same save to a local file of its
    own, in alternating order; each pair is reported, and the median. SeaweedFS's CPU during
@@ -48,8 +50,12 @@ itself costs (none for "before": it has no such section).
 8. The daemon's own cost per request: warm `os.stat` of the SMALL files (a loop in a fresh
    process, after one untimed pass cached their attributes), warm `ls -l` of figure 6 and
    warm small files of figure 5, each with the daemon CPU and the FUSE requests it got.
-9. The cold paths, as the cache is first filled (page cache dropped): the read of figure
-   1's object from S3, the small files of figure 5, the first `ls -l` of figure 6.
+9. The cold paths, as a cache is first filled (page cache dropped): the read of figure 1's
+   object from S3, the small files of figure 5, the first `ls -l` of figure 6. COLD_ROUNDS
+   rounds, each on a fresh mount and cache: the first as figures 1-8's mount fills its
+   cache, the others after every column's reads, the columns in a rotated order (a single
+   cold `ls -l` moved by 1.5x between mounts of one mode in a row here, 2026-11-28): each
+   round is reported, and the medians.
 10. The daemon's peak RSS (VmHWM) on the reads' mount and on the 1-node saves' mount.
 
 SeaweedFS keeps its data on a tmpfs (a directory under /dev/shm) when memory allows the
@@ -332,12 +338,9 @@ def reads(b: Bench, column: str) -> dict[str, Any]:
     with single(b, BUCKET, f"reads-{column}", column) as m:
         mnt = m.mnt
         # The cache filled (every byte and name seen once), cold: from S3, page cache dropped
-        drop_page_cache()
-        r["cold_read_s"] = read_file(mnt / "big.bin")
-        read_file(mnt / MODEL)
-        drop_page_cache()
-        r["cold_small_s"] = read_tree(mnt / "small", b.names)
-        r["ls_cold_s"] = ls_l(mnt / "entries")
+        cold = cold_paths(m, b.names)
+        r["cold_read_s"], r["cold_small_s"] = cold["read_s"], cold["small_s"]
+        r["ls_cold_s"] = cold["ls_s"]
         st = m.status()
         r["fuse_mode"] = st["fuse"]["mode"] if "fuse" in st else "no fuse status (older)"
         less = status_cost(m)
@@ -348,11 +351,13 @@ def reads(b: Bench, column: str) -> dict[str, Any]:
         twins = fresh_twins(b, column)
         try:
             cached = cache_file(m, b.size)
+            model = cache_file(m, (twins / MODEL).stat().st_size)
             r["read"] = next_to(partial(read_file, twins / "big.bin"), m,
                                 partial(read_file, mnt / "big.bin"), less,
                                 direct=partial(read_file, cached) if cached else None)
             r["load"] = next_to(partial(load_seconds, twins / MODEL), m,
-                                partial(load_seconds, mnt / MODEL), less)
+                                partial(load_seconds, mnt / MODEL), less,
+                                direct=partial(load_seconds, model) if model else None)
             r["small"] = next_to(partial(read_tree, twins / "small", b.names), m,
                                  partial(read_tree, mnt / "small", b.names), less)
         finally:
@@ -371,6 +376,41 @@ def reads(b: Bench, column: str) -> dict[str, Any]:
     return r
 
 
+def cold_paths(m: Mount, names: list[str]) -> dict[str, float]:
+    """Figure 9 on a mount with an empty cache: the object read from S3, the small files
+    and the first `ls -l` (the model read too, untimed, so the cache holds all of it)."""
+    drop_page_cache()
+    read_s = read_file(m.mnt / "big.bin")
+    read_file(m.mnt / MODEL)
+    drop_page_cache()
+    small_s = read_tree(m.mnt / "small", names)
+    return {"read_s": read_s, "small_s": small_s, "ls_s": ls_l(m.mnt / "entries")}
+
+
+def cold_rounds(b: Bench, modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Figure 9's other COLD_ROUNDS - 1 rounds, each column on a fresh mount and cache, the
+    columns' order rotated from round to round; each column's rounds and their medians
+    into modes[column]["cold"] (its first round is the one `reads` measured). Returns
+    the order of each round."""
+    cols = [c for c in modes if isinstance(modes[c].get("reads"), dict)
+            and "error" not in modes[c]["reads"]]
+    rounds: dict[str, list[dict[str, float]]] = {
+        c: [{"read_s": modes[c]["reads"]["cold_read_s"],
+             "small_s": modes[c]["reads"]["cold_small_s"],
+             "ls_s": modes[c]["reads"]["ls_cold_s"]}] for c in cols}
+    orders = [cols]
+    for k in range(1, COLD_ROUNDS):
+        orders.append(cols[k % len(cols):] + cols[:k % len(cols)])
+        for column in orders[-1]:
+            with single(b, BUCKET, f"cold{k}-{column}", column) as m:
+                rounds[column].append(cold_paths(m, b.names))
+    for column, got in rounds.items():
+        modes[column]["cold"] = {
+            **{key: statistics.median(r[key] for r in got) for key in got[0]},
+            "rounds": [{key: round(v, 3) for key, v in r.items()} for r in got]}
+    return {"orders": orders}
+
+
 def fresh_twins(b: Bench, column: str) -> Path:
     """Copies of the local twins (the object, the model, the small files), written now."""
     twins = b.work / f"twins-{column}"
@@ -383,8 +423,9 @@ def fresh_twins(b: Bench, column: str) -> Path:
 
 
 def cache_file(m: Mount, size: int) -> Path | None:
-    """The cache's file of figure 1's object (one sparse file per object version:
-    objects/XX/ID), for reading it without FUSE; None in another layout ("before")."""
+    """The cache's file of an object of `size` bytes (figure 1's object, or the model: one
+    sparse file per object version, objects/XX/ID), for reading it without FUSE; None in
+    another layout ("before")."""
     for f in (m.cache / "objects").glob("*/*"):
         if f.is_file() and f.stat().st_size == size:
             return f
@@ -446,7 +487,7 @@ def save_pair(b: Bench, m: Mount, i: int, name: str, seed: int,
 
 
 def saves(b: Bench, column: str) -> list[dict[str, Any]]:
-    """Figure 3: three saves back to back, each flushed, each paired with a local one
+    """Figure 3: SAVES saves back to back, each flushed, each paired with a local one
     (in alternating order: `save_pair`)."""
     bucket = f"{b.profile}-saves-{column}"
     b.s3.create_bucket(Bucket=bucket)
@@ -454,18 +495,20 @@ def saves(b: Bench, column: str) -> list[dict[str, Any]]:
     try:
         with single(b, bucket, f"saves-{column}", column) as m:
             less = status_cost(m)
-            for i in range(3):
+            for i in range(SAVES):
                 fig = save_pair(b, m, i, f"ckpt{i}.pt", i + 1, less)
                 fig["rss_mb"] = peak_rss_mb(m.proc.pid)
                 out.append(fig)
     finally:
-        for i in range(3):
+        for i in range(SAVES):
             (b.local / f"ckpt{i}.pt").unlink(missing_ok=True)
         drop_bucket(b.s3, bucket)
     return out
 
 
+SAVES = 6  # figure 3's; even, as CLUSTER_SAVES
 CLUSTER_SAVES = 8  # even: as many pairs with the local twin first as last (`save_pair`)
+COLD_ROUNDS = 3  # figure 9's, each on a fresh cache
 
 
 def cluster_save(b: Bench, column: str) -> dict[str, Any]:
@@ -541,6 +584,9 @@ def measure(b: Bench) -> dict[str, Any]:
     for column, out in modes.items():
         guarded(out, "reads", reads, b, column)
         print(b.profile, column, "reads", json.dumps(out["reads"]), flush=True)
+    guarded(r, "cold_rounds", cold_rounds, b, modes)
+    print(b.profile, "cold", json.dumps({c: m.get("cold") for c, m in modes.items()}),
+          flush=True)
     guarded(r, "s3fs", s3fs_ls, b)
     for column in FLAGS:
         for key, fn in (("saves", saves), ("cluster_save", cluster_save),
@@ -569,7 +615,7 @@ def s3_home(work: Path, size: int, small: int, entries: int) -> Path:
     """A tmpfs directory for SeaweedFS if memory allows its data there, else one in `work`:
     the read data, the checkpoints of one save figure (each figure's bucket is dropped
     once measured: figure 4 keeps CLUSTER_SAVES), and room for the processes."""
-    need = (2 * size + (small + entries) * SMALL + max(3, CLUSTER_SAVES) * size) \
+    need = (2 * size + (small + entries) * SMALL + max(SAVES, CLUSTER_SAVES) * size) \
         + 2 * size + GiB
     with open("/proc/meminfo") as f:
         avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable"))
@@ -639,6 +685,16 @@ def _ratio(f: dict[str, Any]) -> float:
     """objcache's time over the local twin's: the median of the pairs' ratios where the
     figure was measured in pairs, else of the one pair."""
     return float(f["ratio"]) if "ratio" in f else f["s"] / f["local_s"]
+
+
+def _paired(saves: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """Figure 3's saves as one figure of pairs, as figure 4's: medians and every pair."""
+    if not saves:
+        return None
+    return {"s": statistics.median(f["s"] for f in saves),
+            "local_s": statistics.median(f["local_s"] for f in saves),
+            "ratio": statistics.median(f["s"] / f["local_s"] for f in saves),
+            "pairs": [(f["local_s"], f["s"]) for f in saves]}
 
 
 def _speed(f: dict[str, Any] | None, amount: float, digits: int = 2) -> tuple[str, str]:
@@ -732,12 +788,15 @@ def report(res: dict[str, Any]) -> list[str]:
         def earlier(f: dict[str, Any] | None) -> tuple[str, str]:
             return "", f"{f['node1_s']:.2f} / {f['first_s']:.2f}" if f else "-"
 
-        def cold(f: float | None, amount: float | None) -> tuple[str, str]:
-            if f is None:
+        def cold(f: dict[str, Any] | None, key: str, amount: float | None) -> tuple[str, str]:
+            """The median of the rounds, and each round in brackets (GB/s, files/s or s)."""
+            if not f or key not in f:
                 return "", "-"
-            if amount is None:
-                return "", f"{f:.3f}"
-            return "", f"{amount / f:,.{0 if amount >= 100 else 2}f}"
+
+            def fmt(secs: float) -> str:
+                return (f"{secs:.3f}" if amount is None else
+                        f"{amount / secs:,.{0 if amount >= 100 else 2}f}")
+            return "", f"{fmt(f[key])} ({', '.join(fmt(r[key]) for r in f['rounds'])})"
 
         def rss(f: dict[str, Any] | None) -> tuple[str, str]:
             reads = f.get("reads") if f else None
@@ -754,9 +813,13 @@ def report(res: dict[str, Any]) -> list[str]:
             ("   daemon CPU s / FUSE requests during it", _cost, ("reads", "read")),
             (f"2. warm safetensors load of {big}: s (x local's time)", _time,
              ("reads", "load")),
+            ("   the cache's file of it loaded without FUSE: s (x local's time)", _direct_time,
+             ("reads", "load")),
             ("   daemon CPU s / FUSE requests during it", _cost, ("reads", "load")),
-            *[(f"3. torch.save of {big}, 1 node, save {i + 1} of 3: s (x local's time)",
-               _time, ("saves", i)) for i in range(3)],
+            (f"3. torch.save of {big}, 1 node, {SAVES} saves back to back: median s (median "
+             "x local's time)", lambda f: _time(_paired(f)), ("saves",)),
+            ("   each save in order: local s / objcache s (x); the local one first in the 1st, "
+             "3rd, ... pair", lambda f: each_save(_paired(f)), ("saves",)),
             ("   `objcache flush` after each: s", flushes, ("saves",)),
             ("   daemon CPU s during each save", save_cpu, ("saves",)),
             ("   S3 server (SeaweedFS) CPU s during each save", server_cpus, ("saves",)),
@@ -786,12 +849,13 @@ def report(res: dict[str, Any]) -> list[str]:
              ("reads", "ls")),
             (f"8. warm {n:,} small files: daemon CPU s / FUSE requests", _per_request,
              ("reads", "small")),
-            (f"9. cold read of {big} (from S3), page cache dropped: GB/s", cold,
-             ("reads", "cold_read_s", gb)),
-            (f"9. cold {n:,} x 16 KiB (from S3), 8 threads: files/s", cold,
-             ("reads", "cold_small_s", n)),
-            (f"9. cold `ls -l` of {e:,} entries (from S3): s", cold,
-             ("reads", "ls_cold_s", None)),
+            (f"9. cold read of {big} (from S3), page cache dropped: GB/s, the median of "
+             f"{COLD_ROUNDS} fresh caches (each in order)", partial(cold, key="read_s",
+                                                                    amount=gb), ("cold",)),
+            (f"9. cold {n:,} x 16 KiB (from S3), 8 threads: files/s, the same way",
+             partial(cold, key="small_s", amount=n), ("cold",)),
+            (f"9. cold `ls -l` of {e:,} entries (from S3): s, the same way",
+             partial(cold, key="ls_s", amount=None), ("cold",)),
             ("10. daemon peak RSS, MB: the reads' mount / the 1-node saves' mount", rss,
              ()),
         ]
@@ -804,11 +868,7 @@ def report(res: dict[str, Any]) -> list[str]:
                   "| figure | local | " + " | ".join(cols) + " |",
                   "|---|---|" + "---|" * len(cols)]
         for label, cell, path in rows:
-            if cell is cold:
-                *path, amount = path
-                done = [cold(_fig(modes, c, *path), amount) for c in cols]
-            else:
-                done = [cell(_fig(modes, c, *path)) for c in cols]
+            done = [cell(_fig(modes, c, *path)) for c in cols]
             local = " / ".join(x for x, _ in done if x)
             if label.startswith("6."):
                 floor = r["s3fs"].get("local_dir_s") if isinstance(r.get("s3fs"), dict) else None
