@@ -161,13 +161,26 @@ def status_cost(m: Mount) -> dict[str, Any] | None:
     return fuse_delta(fuse_section(m), fuse_section(m))
 
 
+SETTLE = 0.5  # seconds after a page cache drop: the kernel's FORGETs reach the daemon
+
+
+def settle() -> None:
+    """Drop the page cache and wait SETTLE, before each side of a pair (`next_to`): ours,
+    the local twin's and the control's alike. How long a load starts after the drop changes
+    it on this VM: the same 1 GiB safetensors load took 0.52-0.64 s right after the drop
+    and 0.73-1.84 s (medians 0.95-1.01) after a 0.5 s wait, whether it read the local
+    copy, the cache's file or the mount (2026-11-28). Until 2026-11-28 only objcache's
+    side waited, which put it alone in the slower case."""
+    drop_page_cache()
+    time.sleep(SETTLE)
+
+
 def watched(m: Mount, fn: Callable[[], float], less: dict[str, Any] | None,
             drop: bool) -> dict[str, Any]:
     """fn()'s figure (seconds), with the daemon CPU and the FUSE requests spent in it."""
     assert m.proc is not None
     if drop:
-        drop_page_cache()
-        time.sleep(0.5)  # the kernel's FORGETs of the dropped inodes reach the daemon first
+        settle()
     before = fuse_section(m)
     c0 = cpu_seconds(m.proc.pid)
     s = fn()
@@ -183,9 +196,10 @@ REPS = 7  # pairs of (local twin, objcache) per figure: this machine varies 2x a
 def next_to(local: Callable[[], float], m: Mount, fn: Callable[[], float],
             less: dict[str, Any] | None,
             direct: Callable[[], float] | None = None) -> dict[str, Any]:
-    """REPS pairs of the local twin and the objcache figure, in alternating order, the page
-    cache dropped before each: the medians ("s", "local_s", "cpu_s"), the median of the
-    pairs' ratios ("ratio"), every pair ("pairs"), and the last one's FUSE requests.
+    """REPS pairs of the local twin and the objcache figure, in alternating order, each
+    after `settle` (the page cache dropped): the medians ("s", "local_s", "cpu_s"), the
+    median of the pairs' ratios ("ratio"), every pair ("pairs"), and the last one's FUSE
+    requests.
     `direct`: the same work on the cache's own file without FUSE, after each pair (the
     control: what the disk gives that file); its median over the pair's local twin is
     "direct_ratio"."""
@@ -196,14 +210,14 @@ def next_to(local: Callable[[], float], m: Mount, fn: Callable[[], float],
     for i in range(REPS):
         if i % 2:
             ours = watched(m, fn, less, drop=True)
-            drop_page_cache()
+            settle()
             pairs.append((local(), ours))
         else:
-            drop_page_cache()
+            settle()
             theirs = local()
             pairs.append((theirs, watched(m, fn, less, drop=True)))
         if direct is not None:
-            drop_page_cache()
+            settle()
             directs.append(direct())
     more: dict[str, Any] = {}
     if directs:

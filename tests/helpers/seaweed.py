@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -37,6 +38,9 @@ def free_port_block(count: int) -> int:
     raise RuntimeError("no free port block")
 
 
+PORTS = 6  # s3, master, volume, filer, admin, webdav: base .. base + 5
+
+
 class SeaweedFS:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -51,7 +55,7 @@ class SeaweedFS:
         cfg.write_text(json.dumps({"identities": [{
             "name": "test", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-        base = free_port_block(6)
+        base = free_port_block(PORTS)
         self.port = base
         args = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-s3.config={cfg}", f"-s3.port={base}", f"-master.port={base + 1}",
@@ -112,3 +116,17 @@ class SeaweedFS:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.log.close()
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        """weed leaves a unix socket per service in /tmp (seaweedfs-s3-PORT.sock,
+        seaweedfs-volume-grpc-PORT.sock, ...), named by the service's port or its gRPC
+        twin (+10000), and never removes them: this server's go with it."""
+        if not self.port:
+            return
+        ours = {self.port + i + grpc for i in range(PORTS) for grpc in (0, 10000)}
+        for sock in {p for d in ("/tmp", tempfile.gettempdir())
+                     for p in Path(d).glob("seaweedfs-*.sock")}:
+            port = sock.name.removesuffix(".sock").rpartition("-")[2]
+            if port.isdigit() and int(port) in ours:
+                sock.unlink(missing_ok=True)
