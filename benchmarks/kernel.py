@@ -352,9 +352,7 @@ def reads(b: Bench, column: str) -> dict[str, Any]:
     with single(b, BUCKET, f"reads-{column}", column) as m:
         mnt = m.mnt
         # The cache filled (every byte and name seen once), cold: from S3, page cache dropped
-        cold = cold_paths(m, b.names)
-        r["cold_read_s"], r["cold_small_s"] = cold["read_s"], cold["small_s"]
-        r["ls_cold_s"] = cold["ls_s"]
+        r["cold"] = cold_paths(m, b.names)
         st = m.status()
         r["fuse_mode"] = st["fuse"]["mode"] if "fuse" in st else "no fuse status (older)"
         less = status_cost(m)
@@ -408,10 +406,7 @@ def cold_rounds(b: Bench, modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     the order of each round."""
     cols = [c for c in modes if isinstance(modes[c].get("reads"), dict)
             and "error" not in modes[c]["reads"]]
-    rounds: dict[str, list[dict[str, float]]] = {
-        c: [{"read_s": modes[c]["reads"]["cold_read_s"],
-             "small_s": modes[c]["reads"]["cold_small_s"],
-             "ls_s": modes[c]["reads"]["ls_cold_s"]}] for c in cols}
+    rounds = {c: [modes[c]["reads"]["cold"]] for c in cols}
     orders = [cols]
     for k in range(1, COLD_ROUNDS):
         orders.append(cols[k % len(cols):] + cols[:k % len(cols)])
