@@ -58,8 +58,15 @@ itself costs (none for "before": it has no such section).
    round is reported, and the medians.
 10. The daemon's peak RSS (VmHWM) on the reads' mount and on the 1-node saves' mount.
 
-SeaweedFS keeps its data on a tmpfs (a directory under /dev/shm) when memory allows the
-read data and three checkpoints there, else under the work directory; each write figure
+SeaweedFS (and the WAN proxy) stand for a remote S3 service, which would not take the GPU
+node's CPUs: both are held to one CPU (`--server-cpus`, by default the machine's last one,
+where it has two or more). The machine's other CPUs are left to the node's side: the local
+twins, the daemons and the loads and saves. Without it, on 2 cores, SeaweedFS took 3-4
+CPU-s during each streamed 1 GiB save and the saves' ratio moved with how the scheduler
+shared the cores (2026-11-28: medians 1.085-1.115x as is, 1.02-1.04x with SeaweedFS held
+to CPU 1, the same code). SeaweedFS keeps its data on a tmpfs (a directory under /dev/shm)
+when memory allows the read data and three checkpoints there, else under the work
+directory; each write figure
 has a bucket of its own, deleted once measured (SeaweedFS then drops the bucket's volumes).
 Everything is removed at the end. Prints JSON per profile, then the whole run as JSON and
 markdown tables.
@@ -86,7 +93,14 @@ from typing import Any
 from benchmarks import peers
 from benchmarks.metadata import BUCKET, ls_l, put_many, read_tree
 from benchmarks.reads import load_seconds, make_model, wan_proxy
-from benchmarks.single_node import drop_page_cache, read_file, remove_workdir, upload_random
+from benchmarks.single_node import (
+    drop_page_cache,
+    hold_to_cpus,
+    read_file,
+    remove_workdir,
+    threads_off_cpus,
+    upload_random,
+)
 from benchmarks.writes import save
 from objcache.config import parse_size
 from tests.helpers.cluster import Cluster
@@ -638,35 +652,46 @@ def disk_bytes(path: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
 
 
+def server_cpus_default() -> set[int]:
+    """The last CPU this process may use, if it may use more than one; else none."""
+    mine = sorted(os.sched_getaffinity(0))
+    return {mine[-1]} if len(mine) > 1 else set()
+
+
 def run(size: int, small: int, entries: int, profiles: list[str],
-        baseline: str | None = None) -> dict[str, Any]:
+        baseline: str | None = None, server_cpus: set[int] | None = None) -> dict[str, Any]:
     base = (baseline, checkout_of(baseline)) if baseline else None
     work = Path(tempfile.mkdtemp(prefix="objcache-kernel-"))
     home = s3_home(work, size, small, entries)
     weed = SeaweedFS(home)
     res: dict[str, Any] = {"size": size, "small": small, "entries": entries,
                            "s3_data": str(home), "cache_disk": str(work),
-                           "baseline": f"{base[0]} ({base[1]})" if base else None}
+                           "baseline": f"{base[0]} ({base[1]})" if base else None,
+                           "server_cpus": sorted(server_cpus or ())}
     try:
         weed.start()
+        assert weed.proc is not None
+        if server_cpus:
+            hold_to_cpus(weed.proc.pid, server_cpus)
         s3 = weed.client()
         names = [f"{i:05d}.rec" for i in range(small)]
         t0 = time.perf_counter()
         fill(s3, work / "local", size, names, entries)
         res["setup_s"] = time.perf_counter() - t0
         print("setup", round(res["setup_s"], 1), "s; S3 data in", home, flush=True)
-        assert weed.proc is not None
         common = Bench("", "", s3, work, size, str(max(8 * GiB, 6 * size)), work / "local",
                        names, base, weed.proc.pid, entries)
         for profile in profiles:
             if profile == "wan":
-                with wan_proxy(weed.port, WAN_DELAY_MS, WAN_MBPS) as endpoint:
+                with wan_proxy(weed.port, WAN_DELAY_MS, WAN_MBPS, server_cpus) as endpoint:
                     res[profile] = measure(replace(common, profile=profile,
                                                    endpoint=endpoint, work=work / profile))
             else:
                 res[profile] = measure(replace(common, profile=profile,
                                                endpoint=weed.endpoint, work=work / profile))
         res["s3_data_bytes_at_end"] = disk_bytes(home)  # the write buckets' volumes gone?
+        if server_cpus:  # still held at the end: every figure ran so
+            res["server_threads_off_cpus"] = threads_off_cpus(weed.proc.pid, server_cpus)
     finally:
         if weed.proc is not None:
             weed.stop()
@@ -754,7 +779,10 @@ def report(res: dict[str, Any]) -> list[str]:
     lines = [f"Object, model and checkpoint {big}; S3 data in {res['s3_data']} "
              f"({_bytes(res.get('s3_data_bytes_at_end', 0))} left at the end); caches and "
              f"local twins under {res['cache_disk']}"
-             + (f"; before: {res['baseline']}" if res.get("baseline") else "") + ".", ""]
+             + (f"; before: {res['baseline']}" if res.get("baseline") else "")
+             + (f"; SeaweedFS and the WAN proxy held to CPU {res['server_cpus']} "
+                f"({res.get('server_threads_off_cpus', '?')} threads off it at the end)"
+                if res.get("server_cpus") else "; SeaweedFS on every CPU") + ".", ""]
     for profile in ("loopback", "wan"):
         r = res.get(profile)
         if not r:
@@ -900,13 +928,24 @@ def main() -> None:
     ap.add_argument("--profiles", default="loopback,wan")
     ap.add_argument("--baseline-python", metavar="PATH",
                     help="another checkout's venv python: a 'before' column")
+    ap.add_argument("--server-cpus", metavar="LIST",
+                    help="CPUs SeaweedFS and the WAN proxy are held to, e.g. '1' or '2,3'; "
+                         "'all' for none (default: this machine's last CPU, if it has two)")
     args = ap.parse_args()
+    try:
+        server_cpus = (server_cpus_default() if args.server_cpus is None else set()
+                       if args.server_cpus == "all" else
+                       {int(c) for c in args.server_cpus.split(",")})
+    except ValueError:
+        ap.error(f"--server-cpus: not a list of CPU numbers: {args.server_cpus!r}")
+    if not server_cpus <= os.sched_getaffinity(0):
+        ap.error(f"--server-cpus: {sorted(server_cpus)} are not all CPUs this process may use")
     if SUITE_FLAGS:
         ap.error("unset OBJCACHE_TEST_PASSTHROUGH: this harness sets each mount's mode")
     if shutil.which("s3fs") is None:
         peers.install()
     res = run(parse_size(args.size), args.small, args.entries, args.profiles.split(","),
-              args.baseline_python)
+              args.baseline_python, server_cpus)
     print(json.dumps(res, indent=1))
     print("\n".join(report(res)))
 

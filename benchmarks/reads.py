@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.single_node import drop_page_cache, read_file, remove_workdir
+from benchmarks.single_node import drop_page_cache, hold_to_cpus, read_file, remove_workdir
 from objcache.config import parse_size
 from tests.helpers.cluster import Cluster
 from tests.helpers.mount import Mount
@@ -118,7 +118,9 @@ def sampling(pid: int) -> Iterator[RSS]:
 
 
 @contextmanager
-def wan_proxy(port: int, delay_ms: float, mbps: float) -> Iterator[str]:
+def wan_proxy(port: int, delay_ms: float, mbps: float,
+              cpus: set[int] | None = None) -> Iterator[str]:
+    """The WAN-like proxy in front of SeaweedFS's `port`; `cpus`: hold it to these."""
     p = subprocess.Popen([sys.executable, "-m", "benchmarks.wanproxy", "--upstream",
                           f"127.0.0.1:{port}", "--delay-ms", str(delay_ms), "--mbps",
                           str(mbps)], stdout=subprocess.PIPE, text=True)
@@ -126,6 +128,8 @@ def wan_proxy(port: int, delay_ms: float, mbps: float) -> Iterator[str]:
         assert p.stdout is not None
         line = p.stdout.readline().strip()
         assert line.startswith("listening "), line
+        if cpus:
+            hold_to_cpus(p.pid, cpus)
         yield "http://" + line.split()[1]
     finally:
         p.send_signal(signal.SIGTERM)

@@ -31,6 +31,27 @@ def drop_page_cache() -> None:
         print("(cannot drop the page cache: warm numbers include it)", file=sys.stderr)
 
 
+def hold_to_cpus(pid: int, cpus: set[int]) -> None:
+    """Hold every thread of process `pid` to `cpus`. Threads it starts later are cloned from
+    held ones and inherit the mask (as Go's runtime does for SeaweedFS)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
+def threads_off_cpus(pid: int, cpus: set[int]) -> int:
+    """How many threads of `pid` may run outside `cpus` (0 while hold_to_cpus holds)."""
+    off = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            off += not os.sched_getaffinity(int(tid)) <= cpus
+        except ProcessLookupError:
+            pass
+    return off
+
+
 def read_file(path: Path) -> float:
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
