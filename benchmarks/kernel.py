@@ -205,8 +205,8 @@ def watched(m: Mount, fn: Callable[[], float], less: dict[str, Any] | None,
 REPS = 11  # pairs of (local twin, objcache) per figure: this machine varies 2x and more
 # (with 5, a warm load's ratio was 1.05x, 1.00x and 1.31x in three runs whose load path,
 # the kernel's passthrough, had not changed). A read of 1 GiB from this VM's disk takes
-# about 0.52 s or about 1.04 s, whichever file and path (the same file, 8 reads in a row:
-# 0.52-0.73 s, then 1.02-1.06 s in 3 of the next 8), and with 7 pairs the warm read's
+# about 0.52 s or about 1.04 s, whichever file and path (two plain files, 16 reads in
+# turn: 1.01-1.06 s in 5 of them, the others 0.52-0.74 s), and with 7 pairs the warm read's
 # median came out at 0.78x in one run (2026-11-28 04:48) where the cache's own file read
 # without FUSE did no better: 0.80x; its objcache reads were slow in 3 of 7 pairs and
 # its local ones in 1.
