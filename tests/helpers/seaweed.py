@@ -57,7 +57,9 @@ class SeaweedFS:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         base = free_port_block(PORTS)
         self.port = base
-        args = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        # glog writes weed.* logs to /tmp unless told (three or more files a server).
+        args = [weed, f"-logdir={self.workdir}", "mini", f"-dir={data}", "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
                 f"-s3.config={cfg}", f"-s3.port={base}", f"-master.port={base + 1}",
                 f"-volume.port={base + 2}", f"-filer.port={base + 3}",
                 f"-admin.port={base + 4}", f"-webdav.port={base + 5}", "-webdav=false",
