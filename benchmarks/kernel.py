@@ -60,16 +60,15 @@ itself costs (none for "before": it has no such section).
 
 SeaweedFS (and the WAN proxy) stand for a remote S3 service, which would not take the GPU
 node's CPUs: both are held to one CPU (`--server-cpus`, by default the machine's last one,
-where it has two or more). The machine's other CPUs are left to the node's side: the local
-twins, the daemons and the loads and saves. Without it, on 2 cores, SeaweedFS took 3-4
-CPU-s during each streamed 1 GiB save and the saves' ratio moved with how the scheduler
-shared the cores (2026-11-28: medians 1.085-1.115x as is, 1.02-1.04x with SeaweedFS held
-to CPU 1, the same code). SeaweedFS keeps its data on a tmpfs (a directory under /dev/shm)
-when memory allows the read data and three checkpoints there, else under the work
-directory; each write figure
-has a bucket of its own, deleted once measured (SeaweedFS then drops the bucket's volumes).
-Everything is removed at the end. Prints JSON per profile, then the whole run as JSON and
-markdown tables.
+where it has two or more). The node's side (the local twins, the daemons, the loads and
+saves) may use every CPU. Without it, on 2 cores, SeaweedFS took 3-4 CPU-s during each
+streamed 1 GiB save and the saves' ratio moved with how the scheduler shared the cores
+(2026-11-28: medians 1.085-1.115x as is, 1.02-1.04x with SeaweedFS held to CPU 1, the
+same code). SeaweedFS keeps its data on a tmpfs (a directory under /dev/shm) when memory
+allows the read data and three checkpoints there, else under the work directory; each
+write figure has a bucket of its own, deleted once measured (SeaweedFS then drops the
+bucket's volumes). Everything is removed at the end. Prints JSON per profile, then the
+whole run as JSON and markdown tables.
 """
 
 from __future__ import annotations
