@@ -6,7 +6,8 @@ with 5 voters, the writer and the reader are voters that do not lead.)
 
 Prints p50 / p95 / p99 / max of the round trips, p99 of each 200 in turn (a tail that grows
 over the run shows there), and all daemons' CPU per round trip by role (the Raft leader,
-the follower voters, the writer, the reader, the other learners).
+the follower voters, the writer, the reader, the other learners), and the leader's read
+index counts (answered, and of them under its lease).
 
     python -m benchmarks.c2o_probe [--nodes 32] [--rounds 4] [--json FILE]
 """
@@ -69,12 +70,14 @@ def probe(sc: S.Scale, rounds: int) -> dict[str, Any]:
                 by_role[r] = by_role.get(r, 0.0) + S.cpu_seconds(p) - before[p]
         S.flush(a.mnt / sub)
     n = len(trips)
+    reads = ((S.status(leader).get("cluster") or {}).get("raft") or {}).get("read_index")
     return {"round_trips": n,
             "p50_ms": S.ms(S.pct(trips, 50)), "p95_ms": S.ms(S.pct(trips, 95)),
             "p99_ms": S.ms(S.pct(trips, 99)), "max_ms": S.ms(max(trips)),
             "p99_per_200_ms": [S.ms(S.pct(trips[i:i + 200], 99)) for i in range(0, n, 200)],
             "cpu_ms_per_trip": {r: round(v / n * 1e3, 2) for r, v in sorted(by_role.items())},
-            "cpu_ms_per_trip_all": round(sum(by_role.values()) / n * 1e3, 2)}
+            "cpu_ms_per_trip_all": round(sum(by_role.values()) / n * 1e3, 2),
+            "leader_read_index": reads}
 
 
 def main() -> None:

@@ -43,6 +43,19 @@ feed a non-ticking member crafted messages):
    A new member (not yet a voter) acknowledges as before: the group's majority without
    it already rejects a stale leader, and a group of one could not grow otherwise.
 
+4. Promises (Raft thesis 6.4.1, the lease; objcache/cluster/readindex.py): a voter that
+   answers the leader's `raft_term` question with a promise neither grants a vote nor
+   stands for election until the promise ends. A leader that holds promises from a
+   majority (itself included) knows that no other leader can be elected before the first
+   of them ends, and answers read barriers from its own commit index meanwhile, without a
+   round among the voters for each. pysyncobj grants a vote to any candidate with a
+   later term and a log as long, even while it hears from a leader. A promise is made on
+   the trio thread and kept on pysyncobj's: `kept` calls back once the tick in progress
+   has ended (each tick checks the promise before it may start an election, and a vote
+   is only granted within a tick), so an election or a vote that came before the promise
+   has moved our term by then, and the answer names that term. A member restarted from
+   its journal may have promised before: it keeps MAX_PROMISE from its start.
+
 Snapshot and chunked ("transmission") messages go to pysyncobj unchanged; objcache keeps
 commands out of the chunked path (appendEntriesBatchSizeBytes, objcache/raft/node.py).
 The names below are pysyncobj's private (name-mangled) methods: the pin on
@@ -52,12 +65,16 @@ pysyncobj==0.3.17 in pyproject.toml is what makes overriding them safe.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from pysyncobj import SyncObj
 from pysyncobj.monotonic import monotonic
 
 log = logging.getLogger(__name__)
+
+MAX_PROMISE = 1.0  # 4.: the longest promise a voter makes (seconds)
 
 
 class FollowerFix:
@@ -69,12 +86,18 @@ class FollowerFix:
     wiped: bool = False  # 3.: the group counts our address as a voter already
     # 3.: (term, the leader's commit index) from the first append_entries of that term
     _join_base: tuple[int, int] | None = None
+    # 4.: (monotonic) no vote nor candidacy before this; set before SyncObj.__init__
+    promise_until: float = 0.0
+    _ticked: list[Callable[[], None]]  # 4.: called after the tick in progress
+    _ticked_lock: threading.Lock
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> Any:
         self._ack_limit = None
         kind = message.get("type") if isinstance(message, dict) else None
         if self.joining and kind == "request_vote":
             return None  # no vote while our log may lack committed entries
+        if kind == "request_vote" and monotonic() < self.promise_until:
+            return None  # 4.: neither our term nor our vote moves while we promised
         if self.joining and self.wiped and kind == "append_entries":
             term = message["term"]
             if (term >= self._SyncObj__raftCurrentTerm  # type: ignore[attr-defined]
@@ -120,7 +143,32 @@ class FollowerFix:
     def _onTick(self, timeToWait: float = 0.0) -> Any:
         if self.joining:  # no candidacy either: push the election deadline on
             self._SyncObj__raftElectionDeadline = monotonic() + 3600  # type: ignore
-        return SyncObj._onTick(self, timeToWait)  # type: ignore[misc]
+        elif monotonic() < self.promise_until:  # 4.: nor while we promised
+            self._SyncObj__raftElectionDeadline = max(  # type: ignore[attr-defined]
+                self._SyncObj__raftElectionDeadline, self.promise_until)  # type: ignore
+        try:
+            return SyncObj._onTick(self, timeToWait)  # type: ignore[misc]
+        finally:
+            with self._ticked_lock:
+                done, self._ticked = self._ticked, []
+            for call in done:
+                call()
+
+    def promise(self, seconds: float, kept: Callable[[], None]) -> None:
+        """4.: no vote nor candidacy for `seconds` (at most MAX_PROMISE) from now; `kept`
+        is called on pysyncobj's thread once the tick in progress has ended."""
+        self.promise_until = max(self.promise_until,
+                                 monotonic() + min(max(seconds, 0.0), MAX_PROMISE))
+        with self._ticked_lock:
+            self._ticked.append(kept)
+        notifier = getattr(self, "_SyncObj__pipeNotifier", None)
+        if notifier is not None:  # (a tick now, not at the next poll's timeout)
+            notifier.notify()
+
+    def release(self) -> None:
+        """4.: end our promise (a leader that hands over: the successor needs our vote;
+        the other voters' promises still hold until they end)."""
+        self.promise_until = 0.0
 
     def _follow(self, message: dict[str, Any]) -> dict[str, Any]:
         get = self._SyncObj__getEntries  # type: ignore[attr-defined]

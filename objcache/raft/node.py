@@ -48,9 +48,10 @@ from typing import Any, Protocol
 import msgpack
 import trio
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+from pysyncobj.monotonic import monotonic
 
 from objcache.errors import NoQuorum
-from objcache.raft.follower_fix import FollowerFix
+from objcache.raft.follower_fix import MAX_PROMISE, FollowerFix
 from objcache.raft.guard import FrameSeal, GuardedTransport
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ BATCH_BYTES = 4 << 20  # one log entry carries at most this much of a batch...
 BATCH_COMMANDS = 256  # ...and this many commands
 BATCHES_IN_FLIGHT = 2
 ANSWER_GRACE = 2.0  # a command sent to a leader gets this long past its timeout to answer
+PROMISE_WAIT = 0.5  # pysyncobj's thread ends its tick within this after a promise, or no
+_FOLLOWER = 0  # pysyncobj's _RAFT_STATE.FOLLOWER (ROLES)
+PROMISE_SLACK = 0.05  # a voter's promise began after ours by a question's flight, about
 
 
 def make_conf(data_dir: Path, bind: str | None = None) -> SyncObjConf:
@@ -278,6 +282,10 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
         self.wiped = wiped  # see FollowerFix: nor an acknowledgement
         self.joining_mark = joining_mark  # removed once caught up (RaftNode)
         self._seal = FrameSeal(secret)
+        self._ticked, self._ticked_lock = [], threading.Lock()  # FollowerFix's promises
+        if conf.journalFile and os.path.exists(conf.journalFile):
+            # restarted: we may have promised before (FollowerFix, 4.), and kept no record
+            self.promise_until = monotonic() + MAX_PROMISE
         super().__init__(self_addr, partners, conf=conf, transportClass=GuardedTransport)
         # pysyncobj dumps (log compaction, a snapshot sent to a new follower) only hold
         # attributes set after its __init__: the state must be one of them.
@@ -453,6 +461,9 @@ class RaftNode:
                                  joining, wiped, mark if joining else None)
         self.batcher = Batcher(self._send_batch)
         self._stopped = False  # destroyed: calls waiting on it fail at once (`_call`)
+        self.handovers = 0  # leadership transfers begun here (a lease ends with each)
+        self.handing_over = False  # while one runs, no promise is asked of the voters
+        self._promised_end = -math.inf  # (trio time) when the last promise we made ends
 
     @property
     def feed(self) -> Feed:
@@ -610,6 +621,33 @@ class RaftNode:
             return None
         return int(term), int(commit)
 
+    async def promise(self, seconds: float, timeout: float = PROMISE_WAIT
+                      ) -> tuple[int, bool]:
+        """Promise to vote for no candidate and to stand for no election for `seconds`
+        (objcache/raft/follower_fix.py, 4.): our term once the promise holds, and whether
+        we follow a leader in it (or lead). False too if pysyncobj's thread did not end
+        its tick within `timeout`: the promise holds all the same, but what the term was
+        when it began is not known."""
+        token = trio.lowlevel.current_trio_token()
+        kept = trio.Event()
+
+        def on_kept() -> None:  # (pysyncobj's thread)
+            try:
+                token.run_sync_soon(kept.set)
+            except trio.RunFinishedError:
+                pass
+
+        r = self._replica
+        r.promise(seconds, on_kept)
+        self._promised_end = max(self._promised_end,
+                                 trio.current_time() + min(seconds, MAX_PROMISE))
+        with trio.move_on_after(timeout):
+            await kept.wait()
+        term = self.term()
+        following = r._isLeader() or (r._SyncObj__raftLeader is not None
+                                      and r._SyncObj__raftState == _FOLLOWER)
+        return term, kept.is_set() and following
+
     def last_command(self) -> int:
         """The index of the last command entry applied here (0: none since the state was
         loaded)."""
@@ -633,16 +671,29 @@ class RaftNode:
         """Hand leadership to the most caught-up follower (Raft TimeoutNow); whether we
         are no longer the leader within `timeout`. pysyncobj refuses a leader's removal
         of itself, so a leaving leader steps down first."""
+        # No lease from now on (objcache/cluster/readindex.py), and no new promise asked:
+        # the voters' promises would refuse the successor their votes. Those made already
+        # end first (each voter's began after ours, which we made in the same round; a
+        # voter that got its question late may refuse a first vote, and the successor
+        # stands again after its election timeout).
+        self.handovers += 1
+        self.handing_over = True
         try:
-            await self._call("leadership transfer",
-                             lambda cb: self._replica.transferLeadership(callback=cb), 2.0)
-        except NoQuorum:
+            await trio.sleep_until(self._promised_end + PROMISE_SLACK)
+            self._replica.release()
+            try:
+                await self._call("leadership transfer",
+                                 lambda cb: self._replica.transferLeadership(callback=cb),
+                                 2.0)
+            except NoQuorum:
+                return False
+            with trio.move_on_after(timeout):
+                while self.status()["role"] == "leader":
+                    await trio.sleep(0.05)
+                return True
             return False
-        with trio.move_on_after(timeout):
-            while self.status()["role"] == "leader":
-                await trio.sleep(0.05)
-            return True
-        return False
+        finally:
+            self.handing_over = False
 
     def status(self) -> dict[str, Any]:
         st = self._replica.getStatus()

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pysyncobj.monotonic import monotonic
 
+from objcache.raft.follower_fix import MAX_PROMISE
 from objcache.raft.node import JOINING_MARK, RaftNode, _Replica, make_conf
 from objcache.txn.state import ClusterState
 from tests.helpers.cluster import free_port
@@ -240,3 +242,51 @@ def test_the_joining_mark_goes_once_caught_up(tmp_path: Path) -> None:
         assert not f.replica.joining and not mark.exists()
     finally:
         f.replica.destroy()
+
+
+def test_a_promise_holds_our_vote_and_our_term(follower: Follower) -> None:
+    # Rule 4 (the leader's lease): while it promised, a member grants no vote and its
+    # term does not move, whatever the candidate's log; after, it votes as before.
+    r = follower.replica
+    follower.load([1, 2], commit=3, term=2)
+    kept: list[int] = []
+    r.promise(0.5, lambda: kept.append(1))
+    assert follower.vote(5, (9, 4)) == [] and r._SyncObj__raftCurrentTerm == 2
+    r.promise_until = monotonic() - 0.01  # (ended)
+    assert follower.vote(5, (9, 4)) == [{"type": "response_vote", "term": 5}]
+    assert kept == []  # no tick has ended since (this member does not tick by itself)
+
+
+def test_a_promise_holds_our_candidacy_and_is_kept_at_the_end_of_a_tick(
+        follower: Follower, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = follower.replica
+    follower.load([1, 2], commit=3, term=2)
+    monkeypatch.setattr(r, "_SyncObj__connectedToAnyone", lambda: True)
+    kept: list[int] = []
+    r.promise(0.5, lambda: kept.append(r._SyncObj__raftCurrentTerm))
+    r._SyncObj__raftElectionDeadline = 0  # we heard from no leader for long
+    r._onTick(0.0)
+    assert kept == [2]  # called once the tick ended, in the term of the promise
+    assert r._SyncObj__raftCurrentTerm == 2 and r._SyncObj__raftState == 0  # follower
+    r.promise_until = monotonic() - 0.01
+    r._SyncObj__raftElectionDeadline = 0
+    r._onTick(0.0)
+    assert r._SyncObj__raftCurrentTerm == 3 and r._SyncObj__raftState == 1  # candidate
+    assert kept == [2]
+
+
+def test_a_member_restarted_from_its_journal_keeps_the_longest_promise(
+        tmp_path: Path) -> None:
+    # It may have promised before it stopped, and kept no record of it.
+    addr, other = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    node = RaftNode(addr, [other], tmp_path, "secret", ClusterState())
+    try:
+        assert node._replica.promise_until == 0.0  # (a new member promised nothing)
+    finally:
+        node.destroy_synchronous()
+    started = monotonic()
+    node = RaftNode(addr, [other], tmp_path, "secret", ClusterState())
+    try:
+        assert node._replica.promise_until >= started + MAX_PROMISE
+    finally:
+        node.destroy_synchronous()
