@@ -1272,10 +1272,13 @@ class Filesystem:
 
     def _caught_up(self, inode: Inode) -> LocalFile | None:
         """open's checks after the catch-up; the working copy here, if any."""
-        if inode.detached and self._working_copy_of(inode) is None:
+        lf = self._working_copy_of(inode) if inode.detached else None
+        if inode.detached and (lf is None or lf.aside):
             # The name now shows another inode (replaced or removed meanwhile, maybe by
             # the catch-up just before, after the kernel looked the name up): ESTALE makes
-            # the kernel look it up again and open what the name shows now.
+            # the kernel look it up again and open what the name shows now. A working
+            # copy set aside is an older version that handles here still have open (the
+            # inode left the name for another node's commit): not what an open may read.
             raise StaleObject(f"inode {inode.ino} was replaced or removed")
         parent = self._parent_of(inode.key)
         if parent is not None:
