@@ -49,7 +49,9 @@ feed a non-ticking member crafted messages):
    majority (itself included) knows that no other leader can be elected before the first
    of them ends, and answers read barriers from its own commit index meanwhile, without a
    round among the voters for each. pysyncobj grants a vote to any candidate with a
-   later term and a log as long, even while it hears from a leader. A promise is made on
+   later term and a log as long, even while it hears from a leader. (The candidate's
+   term still becomes ours, unlike the thesis's rule, which pairs it with a pre-vote
+   pysyncobj does not have: see `_SyncObj__onMessageReceived`.) A promise is made on
    the trio thread and kept on pysyncobj's: `kept` calls back once the tick in progress
    has ended (each tick checks the promise before it may start an election, and a vote
    is only granted within a tick), so an election or a vote that came before the promise
@@ -97,7 +99,16 @@ class FollowerFix:
         if self.joining and kind == "request_vote":
             return None  # no vote while our log may lack committed entries
         if kind == "request_vote" and monotonic() < self.promise_until:
-            return None  # 4.: neither our term nor our vote moves while we promised
+            # 4.: no vote while we promised. A later term is ours all the same, as
+            # pysyncobj takes it (a leader steps down): a member cut off campaigns in terms
+            # the group never had, then refuses the appends of the leader's lower term, and
+            # only its vote requests tell the others. Kept out, it never came back while
+            # the leader renewed its lease (the partition nemesis, seed 5005: 35 s).
+            if message["term"] > self._SyncObj__raftCurrentTerm:  # type: ignore[attr-defined]
+                self._SyncObj__setCurrentTerm(message["term"], None)  # type: ignore
+                self._SyncObj__setState(0)  # type: ignore[attr-defined]  # (a follower)
+                self._SyncObj__raftLeader = None
+            return None
         if self.joining and self.wiped and kind == "append_entries":
             term = message["term"]
             if (term >= self._SyncObj__raftCurrentTerm  # type: ignore[attr-defined]

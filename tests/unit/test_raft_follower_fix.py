@@ -244,14 +244,27 @@ def test_the_joining_mark_goes_once_caught_up(tmp_path: Path) -> None:
         f.replica.destroy()
 
 
-def test_a_promise_holds_our_vote_and_our_term(follower: Follower) -> None:
-    # Rule 4 (the leader's lease): while it promised, a member grants no vote and its
-    # term does not move, whatever the candidate's log; after, it votes as before.
+def test_a_promise_holds_our_vote_but_not_our_term(follower: Follower) -> None:
+    # Rule 4 (the leader's lease): while it promised, a member grants no vote, whatever
+    # the candidate's log; after, it votes as before.
     r = follower.replica
     follower.load([1, 2], commit=3, term=2)
+    r._SyncObj__raftLeader = follower.leader
     kept: list[int] = []
     r.promise(0.5, lambda: kept.append(1))
-    assert follower.vote(5, (9, 4)) == [] and r._SyncObj__raftCurrentTerm == 2
+    assert follower.vote(5, (9, 4)) == []
+    # The candidate's term is ours now, and we follow no leader in it: a member that came
+    # back from a partition with a term the group never had is refused our vote, but the
+    # leader's appends in the lower term are refused too, until a leader of this term
+    # (the partition nemesis, seed 5005: the node back never found a leader while the old
+    # one renewed its lease).
+    assert r._SyncObj__raftCurrentTerm == 5 and r._SyncObj__raftLeader is None
+    assert r._SyncObj__votedForNodeId is None
+    follower.sent.clear()
+    r._SyncObj__onMessageReceived(follower.leader, {
+        "type": "append_entries", "term": 2, "commit_index": 3, "entries": [],
+        "prevLogIdx": 3, "prevLogTerm": 2})
+    assert follower.sent == [] and r._SyncObj__raftLeader is None
     r.promise_until = monotonic() - 0.01  # (ended)
     assert follower.vote(5, (9, 4)) == [{"type": "response_vote", "term": 5}]
     assert kept == []  # no tick has ended since (this member does not tick by itself)
