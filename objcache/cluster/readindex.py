@@ -195,10 +195,11 @@ class ReadIndex:
         if not isinstance(cur, RaftNode) or (isinstance(group, str) and group
                                              and group != self._group()):
             return {"term": None}, None
-        seconds = msg.get("promise")
-        if isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds > 0:
-            term, promised = await cur.promise(float(seconds))
-            return {"term": term, "promised": promised}, None
+        seconds, term = msg.get("promise"), msg.get("term")
+        if (isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds > 0
+                and isinstance(term, int) and not isinstance(term, bool)):
+            now, promised = await cur.promise(float(seconds), term)
+            return {"term": now, "promised": promised}, None
         return {"term": cur.term()}, None
 
     async def _confirmed(self, node: RaftNode) -> int | None:
@@ -297,12 +298,12 @@ class ReadIndex:
 
         async def own() -> None:
             nonlocal mine
-            mine = await node.promise(PROMISE) == (term, True)
+            mine = await node.promise(PROMISE, term) == (term, True)
             check()
 
         question: dict[str, Any] = {"op": "raft_term", "group": group}
         if promise:
-            question["promise"] = PROMISE
+            question["promise"], question["term"] = PROMISE, term
             self._nursery.start_soon(own)
         else:
             mine = False

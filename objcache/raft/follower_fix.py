@@ -105,6 +105,9 @@ class FollowerFix:
             # only its vote requests tell the others. Kept out, it never came back while
             # the leader renewed its lease (the partition nemesis, seed 5005: 35 s).
             if message["term"] > self._SyncObj__raftCurrentTerm:  # type: ignore[attr-defined]
+                log.info("raft: no vote for %s in term %d: promised for %.2fs more",
+                         getattr(node, "id", node), message["term"],
+                         self.promise_until - monotonic())
                 self._SyncObj__setCurrentTerm(message["term"], None)  # type: ignore
                 self._SyncObj__setState(0)  # type: ignore[attr-defined]  # (a follower)
                 self._SyncObj__raftLeader = None

@@ -621,13 +621,21 @@ class RaftNode:
             return None
         return int(term), int(commit)
 
-    async def promise(self, seconds: float, timeout: float = PROMISE_WAIT
+    async def promise(self, seconds: float, term: int, timeout: float = PROMISE_WAIT
                       ) -> tuple[int, bool]:
         """Promise to vote for no candidate and to stand for no election for `seconds`
-        (objcache/raft/follower_fix.py, 4.): our term once the promise holds, and whether
-        we follow a leader in it (or lead). False too if pysyncobj's thread did not end
-        its tick within `timeout`: the promise holds all the same, but what the term was
-        when it began is not known."""
+        (objcache/raft/follower_fix.py, 4.), to the leader of `term`: our term once the
+        promise holds, and whether we follow a leader in it (or lead). False too if
+        pysyncobj's thread did not end its tick within `timeout`: the promise holds all
+        the same, but what the term was when it began is not known. No promise at all
+        while our term is another or we follow no leader: a member back from a partition
+        with a later term than the leader's refuses its appends and must stand for
+        election to be heard, and a promise to each of the leader's rounds held its
+        candidacy off for as long as the leader renewed its lease (the partition
+        nemesis, seed 5005: 15-35 s without a leader on that node)."""
+        r = self._replica
+        if self.term() != term or not self._following():
+            return self.term(), False
         token = trio.lowlevel.current_trio_token()
         kept = trio.Event()
 
@@ -637,16 +645,19 @@ class RaftNode:
             except trio.RunFinishedError:
                 pass
 
-        r = self._replica
         r.promise(seconds, on_kept)
         self._promised_end = max(self._promised_end,
                                  trio.current_time() + min(seconds, MAX_PROMISE))
         with trio.move_on_after(timeout):
             await kept.wait()
-        term = self.term()
-        following = r._isLeader() or (r._SyncObj__raftLeader is not None
-                                      and r._SyncObj__raftState == _FOLLOWER)
-        return term, kept.is_set() and following
+        now = self.term()
+        return now, kept.is_set() and now == term and self._following()
+
+    def _following(self) -> bool:
+        """Whether we lead, or follow a leader, in our current term."""
+        r = self._replica
+        return bool(r._isLeader()) or (r._SyncObj__raftLeader is not None
+                                       and r._SyncObj__raftState == _FOLLOWER)
 
     def last_command(self) -> int:
         """The index of the last command entry applied here (0: none since the state was

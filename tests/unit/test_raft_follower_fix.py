@@ -303,3 +303,25 @@ def test_a_member_restarted_from_its_journal_keeps_the_longest_promise(
         assert node._replica.promise_until >= started + MAX_PROMISE
     finally:
         node.destroy_synchronous()
+
+
+async def test_a_promise_is_made_only_to_the_leader_we_follow(tmp_path: Path) -> None:
+    # Seed 5005 of the partition nemesis: a member back from a partition with a later term
+    # than the leader's answered each of the leader's rounds with a promise, which held
+    # off its own candidacy, the only way its term could reach the group: it found no
+    # leader for 15-35 s.
+    addr, other = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    node = RaftNode(addr, [other], tmp_path, "secret", ClusterState())
+    r = node._replica
+    try:
+        term = node.term()
+        assert await node.promise(0.5, term) == (term, False)  # no leader known
+        assert r.promise_until == 0.0
+        r._SyncObj__raftLeader = next(iter(r._SyncObj__otherNodes))  # (we follow it)
+        assert await node.promise(0.5, term + 1) == (term, False)  # another term
+        assert r.promise_until == 0.0
+        started = monotonic()
+        assert await node.promise(0.5, term) == (term, True)  # kept after a tick
+        assert started + 0.5 <= r.promise_until <= monotonic() + 0.5
+    finally:
+        node.destroy_synchronous()

@@ -29,6 +29,7 @@ class Voters:
     async def call(self, node: str, msg: dict[str, Any], max_data: int, timeout: float
                    ) -> tuple[dict[str, Any], None] | None:
         assert msg["op"] == "raft_term" and msg["promise"] == PROMISE
+        assert isinstance(msg["term"], int)
         self.asked += 1
         await trio.sleep(self.delay)
         term = self.terms.get(node)
@@ -48,8 +49,8 @@ class Leader:
         self.handing_over = False
         self.promises = True  # whether its own promises hold
 
-    async def promise(self, seconds: float) -> tuple[int, bool]:
-        assert seconds == PROMISE
+    async def promise(self, seconds: float, term: int) -> tuple[int, bool]:
+        assert seconds == PROMISE and term == self.term_now
         return self.term_now, self.promises
 
     def leading(self) -> tuple[int, int] | None:
