@@ -103,7 +103,7 @@ class FollowerFix:
             # pysyncobj takes it (a leader steps down): a member cut off campaigns in terms
             # the group never had, then refuses the appends of the leader's lower term, and
             # only its vote requests tell the others. Kept out, it never came back while
-            # the leader renewed its lease (the partition nemesis, seed 5005: 35 s).
+            # the leader renewed its lease (the partition nemesis, seed 5005: 18-33 s).
             if message["term"] > self._SyncObj__raftCurrentTerm:  # type: ignore[attr-defined]
                 log.info("raft: no vote for %s in term %d: promised for %.2fs more",
                          getattr(node, "id", node), message["term"],

@@ -632,7 +632,7 @@ class RaftNode:
         with a later term than the leader's refuses its appends and must stand for
         election to be heard, and a promise to each of the leader's rounds held its
         candidacy off for as long as the leader renewed its lease (the partition
-        nemesis, seed 5005: 15-35 s without a leader on that node)."""
+        nemesis, seed 5005: 18-33 s without a leader on that node)."""
         r = self._replica
         if self.term() != term or not self._following():
             return self.term(), False

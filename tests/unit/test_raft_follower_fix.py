@@ -309,7 +309,7 @@ async def test_a_promise_is_made_only_to_the_leader_we_follow(tmp_path: Path) ->
     # Seed 5005 of the partition nemesis: a member back from a partition with a later term
     # than the leader's answered each of the leader's rounds with a promise, which held
     # off its own candidacy, the only way its term could reach the group: it found no
-    # leader for 15-35 s.
+    # leader for 18-33 s.
     addr, other = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     node = RaftNode(addr, [other], tmp_path, "secret", ClusterState())
     r = node._replica
