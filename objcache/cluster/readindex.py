@@ -208,10 +208,11 @@ class ReadIndex:
         lead = node.leading()
         lease = self._lease
         now = trio.current_time()
+        # (a round makes a lease only once the leader has committed in its term: see
+        # `_round`; a term is led once at most)
         if (lead is not None and lease is not None and now < lease.until
-                and lease.term == lead[0] == self._lead[0] and lead[1] > self._lead[1]
-                and lease.group == self._group() and lease.handovers == node.handovers
-                and not node.handing_over):
+                and lease.term == lead[0] and lease.group == self._group()
+                and lease.handovers == node.handovers and not node.handing_over):
             if lease.until - now < RENEW_AHEAD and not self._renewing and self._nursery:
                 self._renewing = True
                 self._nursery.start_soon(self._renew, node)

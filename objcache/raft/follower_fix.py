@@ -77,6 +77,7 @@ from pysyncobj.monotonic import monotonic
 log = logging.getLogger(__name__)
 
 MAX_PROMISE = 1.0  # 4.: the longest promise a voter makes (seconds)
+FOLLOWER = 0  # pysyncobj's _RAFT_STATE.FOLLOWER
 
 
 class FollowerFix:
@@ -109,7 +110,7 @@ class FollowerFix:
                          getattr(node, "id", node), message["term"],
                          self.promise_until - monotonic())
                 self._SyncObj__setCurrentTerm(message["term"], None)  # type: ignore
-                self._SyncObj__setState(0)  # type: ignore[attr-defined]  # (a follower)
+                self._SyncObj__setState(FOLLOWER)  # type: ignore[attr-defined]
                 self._SyncObj__raftLeader = None
             return None
         if self.joining and self.wiped and kind == "append_entries":

@@ -51,7 +51,7 @@ from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 from pysyncobj.monotonic import monotonic
 
 from objcache.errors import NoQuorum
-from objcache.raft.follower_fix import MAX_PROMISE, FollowerFix
+from objcache.raft.follower_fix import FOLLOWER, MAX_PROMISE, FollowerFix
 from objcache.raft.guard import FrameSeal, GuardedTransport
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,6 @@ BATCH_COMMANDS = 256  # ...and this many commands
 BATCHES_IN_FLIGHT = 2
 ANSWER_GRACE = 2.0  # a command sent to a leader gets this long past its timeout to answer
 PROMISE_WAIT = 0.5  # pysyncobj's thread ends its tick within this after a promise, or no
-_FOLLOWER = 0  # pysyncobj's _RAFT_STATE.FOLLOWER (ROLES)
 PROMISE_SLACK = 0.05  # a voter's promise began after ours by a question's flight, about
 
 
@@ -463,7 +462,6 @@ class RaftNode:
         self._stopped = False  # destroyed: calls waiting on it fail at once (`_call`)
         self.handovers = 0  # leadership transfers begun here (a lease ends with each)
         self.handing_over = False  # while one runs, no promise is asked of the voters
-        self._promised_end = -math.inf  # (trio time) when the last promise we made ends
 
     @property
     def feed(self) -> Feed:
@@ -646,8 +644,6 @@ class RaftNode:
                 pass
 
         r.promise(seconds, on_kept)
-        self._promised_end = max(self._promised_end,
-                                 trio.current_time() + min(seconds, MAX_PROMISE))
         with trio.move_on_after(timeout):
             await kept.wait()
         now = self.term()
@@ -657,7 +653,7 @@ class RaftNode:
         """Whether we lead, or follow a leader, in our current term."""
         r = self._replica
         return bool(r._isLeader()) or (r._SyncObj__raftLeader is not None
-                                       and r._SyncObj__raftState == _FOLLOWER)
+                                       and r._SyncObj__raftState == FOLLOWER)
 
     def last_command(self) -> int:
         """The index of the last command entry applied here (0: none since the state was
@@ -690,7 +686,10 @@ class RaftNode:
         self.handovers += 1
         self.handing_over = True
         try:
-            await trio.sleep_until(self._promised_end + PROMISE_SLACK)
+            # (our promise's end, on pysyncobj's clock: a restarted member's 1 s too)
+            wait = self._replica.promise_until - monotonic()
+            if wait > 0:
+                await trio.sleep(wait + PROMISE_SLACK)
             self._replica.release()
             try:
                 await self._call("leadership transfer",
