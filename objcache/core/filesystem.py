@@ -937,7 +937,12 @@ class Filesystem:
         if inode.detached:
             if self._working_copy_of(inode) is None and not any(
                     h.inode is inode for h in self.handles.values()):
-                raise NotFound(inode.key)
+                # The kernel still shows a name it looked up before the name went to
+                # another inode (replaced or removed by a commit applied here since, its
+                # entry's invalidation on its way): ESTALE makes it look the name up again
+                # (an open or a stat retries), where ENOENT failed an open of a file that
+                # exists (the partition nemesis, seed 5404: a register read as missing).
+                raise StaleObject(f"inode {inode.ino} was replaced or removed")
             return self.attr(inode)
         if (not inode.is_dir and inode.key not in self.local.by_key
                 and not (inode.meta_loaded and self._fresh(inode.checked))):

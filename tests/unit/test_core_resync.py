@@ -23,6 +23,7 @@ from objcache.cache.statedb import StateDB
 from objcache.config import MountConfig
 from objcache.core.filesystem import Filesystem, NoNotifier
 from objcache.core.inode import ROOT_INO
+from objcache.errors import StaleObject
 from tests.helpers.memstore import MemoryStore
 
 
@@ -77,3 +78,21 @@ async def test_a_resynced_key_is_looked_up_again_and_open_handles_keep_their_fil
     again = await fs.lookup(d, "f")  # the next lookup asks again: a new inode
     assert again.ino != f and again.size == len(b"what S3 holds now")
     await fs.release(fh)
+
+
+async def test_a_name_the_kernel_still_shows_for_a_detached_inode_is_stale(
+        env) -> None:  # type: ignore[no-untyped-def]
+    # The partition nemesis, seed 5404: a learner applied a batch that gave `reg/k0` a new
+    # inode; the kernel, before the entry's invalidation reached it, opened the name it had
+    # looked up, and its GETATTR of the old inode answered ENOENT: the open failed for a
+    # file that exists. ESTALE makes the kernel look the name up again.
+    fs, store, told = env
+    d = (await fs.lookup(ROOT_INO, "d")).ino
+    f = (await fs.lookup(d, "f")).ino
+    store.put("d/f", b"what S3 holds now")
+    fs._apply_changes([Change("d/f", None, resync=True)])
+    assert fs.inodes[f].detached and fs.inodes[f].lookups == 1  # the kernel's reference
+    with pytest.raises(StaleObject):
+        await fs.getattr(f)
+    again = await fs.lookup(d, "f")
+    assert again.ino != f and (await fs.getattr(again.ino)).size == len(b"what S3 holds now")
