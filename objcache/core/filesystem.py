@@ -950,7 +950,9 @@ class Filesystem:
                 self._listed_file_stat(inode)
             fresh = await self._revalidate(inode)
             if fresh.ino != inode.ino:
-                raise NotFound(inode.key)  # it became another type; the old inode is stale
+                # The name shows another inode now (another type, or a new version while
+                # passthrough opens keep this one): look it up again, as above.
+                raise StaleObject(f"{inode.key}: another inode now")
             inode = fresh
         return self.attr(inode)
 
@@ -1337,8 +1339,8 @@ class Filesystem:
         lf = self._caught_up(inode)
         if self._stale_for_open(inode, lf):
             fresh = await self._revalidate(inode)
-            if fresh.ino != inode.ino:
-                raise NotFound(f"{inode.key}: another inode now")
+            if fresh.ino != inode.ino:  # (as in getattr: the kernel looks the name up again)
+                raise StaleObject(f"{inode.key}: another inode now")
             lf = self.local.by_key.get(inode.key)
         if writable:
             lf = self._writer_copy(inode, lf)

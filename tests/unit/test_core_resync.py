@@ -96,3 +96,22 @@ async def test_a_name_the_kernel_still_shows_for_a_detached_inode_is_stale(
         await fs.getattr(f)
     again = await fs.lookup(d, "f")
     assert again.ino != f and (await fs.getattr(again.ino)).size == len(b"what S3 holds now")
+
+
+async def test_a_name_that_shows_another_inode_after_a_head_is_stale(
+        env) -> None:  # type: ignore[no-untyped-def]
+    # A new version in S3 while passthrough opens keep the old one: the name gets a new
+    # inode. The GETATTR that found it answered ENOENT, and a stat or an open of the name
+    # failed once for a file that exists.
+    fs, store, told = env
+    d = (await fs.lookup(ROOT_INO, "d")).ino
+    f = (await fs.lookup(d, "f")).ino
+    old = fs.inodes[f]
+    await fs.getattr(f)
+    old.backed = object()  # (as while passthrough opens hold its backing file)
+    old.checked = 0.0  # (its attributes are due a HEAD)
+    store.put("d/f", b"a new version")
+    with pytest.raises(StaleObject):
+        await fs.getattr(f)
+    again = await fs.lookup(d, "f")
+    assert again.ino != f and again.size == len(b"a new version")
