@@ -57,6 +57,9 @@ feed a non-ticking member crafted messages):
    is only granted within a tick), so an election or a vote that came before the promise
    has moved our term by then, and the answer names that term. A member restarted from
    its journal may have promised before: it keeps MAX_PROMISE from its start.
+   A leader that hands over because it leaves the group (`leaving`) stands for no
+   election after: a drained leader stood again while its successor's election failed,
+   won the next term and left, and commits waited for a third election.
 
 Snapshot and chunked ("transmission") messages go to pysyncobj unchanged; objcache keeps
 commands out of the chunked path (appendEntriesBatchSizeBytes, objcache/raft/node.py).
@@ -86,6 +89,7 @@ class FollowerFix:
     _ack_limit: int | None = None  # see _follow
     # 3.: set before SyncObj.__init__ (never part of a dump); cleared once caught up
     joining: bool = False
+    leaving: bool = False  # 4.: handing over to leave the group: no candidacy from now on
     wiped: bool = False  # 3.: the group counts our address as a voter already
     # 3.: (term, the leader's commit index) from the first append_entries of that term
     _join_base: tuple[int, int] | None = None
@@ -156,7 +160,7 @@ class FollowerFix:
         """Called on pysyncobj's thread once `joining` is cleared."""
 
     def _onTick(self, timeToWait: float = 0.0) -> Any:
-        if self.joining:  # no candidacy either: push the election deadline on
+        if self.joining or self.leaving:  # no candidacy: push the election deadline on
             self._SyncObj__raftElectionDeadline = monotonic() + 3600  # type: ignore
         elif monotonic() < self.promise_until:  # 4.: nor while we promised
             self._SyncObj__raftElectionDeadline = max(  # type: ignore[attr-defined]

@@ -15,7 +15,14 @@ buffers whatever length a frame header claims (a 2 GiB header makes it collect, 
   remote address;
 - a frame header is checked before anything is buffered: MAX_FIRST_FRAME before
   authentication, MAX_FRAME after;
-- a failed accept() is logged and skipped, never the end of the listener.
+- a failed accept() is logged and skipped, never the end of the listener;
+- every connection carries a message at least every KEEPALIVE seconds. pysyncobj closes a
+  connection on which nothing was read for `connectionTimeout`, and checks that when it
+  next sends or reads, before it does: a link between two followers (they never talk
+  while a leader leads) was closed by the first message sent on it, and that message was
+  lost. That was a candidate's vote request: after a drained leader handed over, its
+  successor's request reached only the old leader, and the election waited for another
+  candidate's timeout (0.4-1.4 s) after the reconnection (1 s; docs/operations.md).
 These subclasses override pysyncobj 0.3.17's private methods (the version is pinned in
 pyproject.toml).
 """
@@ -32,7 +39,7 @@ import time
 from typing import Any
 
 from pysyncobj.poller import POLL_EVENT_TYPE
-from pysyncobj.tcp_connection import TcpConnection
+from pysyncobj.tcp_connection import CONNECTION_STATE, TcpConnection
 from pysyncobj.tcp_server import TcpServer
 from pysyncobj.transport import TCPTransport
 
@@ -42,6 +49,8 @@ AUTH_SECONDS = 5.0
 MAX_PENDING_PER_ADDRESS = 16
 MAX_FIRST_FRAME = 64 << 10  # the first frame is a 32-byte key, sealed
 MAX_FRAME = 256 << 20  # commands are at most 16 MiB (appendEntriesBatchSizeBytes)
+KEEPALIVE = 1.0  # seconds; well within connectionTimeout (objcache/raft/node.py: 3.5 s)
+KEEPALIVE_MESSAGE = {"type": "keepalive"}  # (no type pysyncobj knows: read, then dropped)
 
 
 _STAMP = struct.Struct(">Q")  # pysyncobj's frame timestamp (whole seconds, monotonic)
@@ -161,6 +170,8 @@ class GuardedServer(TcpServer):  # type: ignore[misc]
 class GuardedTransport(TCPTransport):  # type: ignore[misc]
     """pysyncobj's TCP transport with the defences above (SyncObj's transportClass)."""
 
+    _keepalive_at = 0.0  # (monotonic) when the next keepalives go
+
     def _createServer(self) -> None:
         conf = self._syncObj.conf
         host, port = (conf.bindAddress or self._selfNode.address).rsplit(":", 1)
@@ -188,6 +199,12 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]
 
     def _onTick(self) -> None:
         super()._onTick()
+        now = time.monotonic()
+        if now >= self._keepalive_at:
+            self._keepalive_at = now + KEEPALIVE
+            for node, conn in list(self._connections.items()):
+                if conn.state == CONNECTION_STATE.CONNECTED:
+                    self.send(node, KEEPALIVE_MESSAGE)
         if self._server is not None and not self._ready:
             return
         now = time.monotonic()

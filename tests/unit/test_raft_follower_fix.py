@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 from pysyncobj.monotonic import monotonic
+from pysyncobj.tcp_connection import CONNECTION_STATE
+from pysyncobj.transport import TCPTransport
 
 from objcache.raft.follower_fix import MAX_PROMISE
+from objcache.raft.guard import KEEPALIVE_MESSAGE
 from objcache.raft.node import JOINING_MARK, RaftNode, _Replica, make_conf
 from objcache.txn.state import ClusterState
 from tests.helpers.cluster import free_port
@@ -325,3 +328,50 @@ async def test_a_promise_is_made_only_to_the_leader_we_follow(tmp_path: Path) ->
         assert started + 0.5 <= r.promise_until <= monotonic() + 0.5
     finally:
         node.destroy_synchronous()
+
+
+def test_a_leader_that_hands_over_to_leave_stands_for_no_election(
+        follower: Follower, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A drained leader stood again while its successor's first election failed, won the
+    # next term and left: commits waited for a third election (docs/operations.md).
+    r = follower.replica
+    follower.load([1, 2], commit=3, term=2)
+    monkeypatch.setattr(r, "_SyncObj__connectedToAnyone", lambda: True)
+    r.leaving = True
+    r._SyncObj__raftElectionDeadline = 0
+    r._onTick(0.0)
+    assert r._SyncObj__raftCurrentTerm == 2 and r._SyncObj__raftState == 0  # follower
+    r.leaving = False
+    r._SyncObj__raftElectionDeadline = 0
+    r._onTick(0.0)
+    assert r._SyncObj__raftCurrentTerm == 3 and r._SyncObj__raftState == 1  # candidate
+
+
+class _Link:
+    def __init__(self) -> None:
+        self.state = CONNECTION_STATE.CONNECTED
+
+
+def test_every_link_carries_a_keepalive_each_second(
+        follower: Follower, monkeypatch: pytest.MonkeyPatch) -> None:
+    # pysyncobj closes a link on which nothing was read for connectionTimeout, at its
+    # next message, and loses that message: two followers never talk while a leader
+    # leads, so a candidate's vote request reached only the old leader.
+    transport = follower.replica._SyncObj__transport
+    monkeypatch.setattr(TCPTransport, "_onTick", lambda self: None)
+    up, down = object(), _Link()
+    down.state = CONNECTION_STATE.DISCONNECTED
+    transport._connections = {up: _Link(), down: down}
+    sent: list[tuple[object, dict[str, Any]]] = []
+    monkeypatch.setattr(transport, "send", lambda node, msg: sent.append((node, msg)))
+    transport._onTick()
+    transport._onTick()  # (within the second: nothing more)
+    assert sent == [(up, KEEPALIVE_MESSAGE)]
+    transport._keepalive_at = monotonic() - 0.01
+    transport._onTick()
+    assert sent == [(up, KEEPALIVE_MESSAGE)] * 2
+    # ...and a member that receives one changes nothing and answers nothing
+    follower.load([1, 2], commit=3, term=2)
+    follower.sent.clear()
+    follower.replica._SyncObj__onMessageReceived(follower.leader, dict(KEEPALIVE_MESSAGE))
+    assert follower.sent == [] and follower.replica._SyncObj__raftCurrentTerm == 2
