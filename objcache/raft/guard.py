@@ -207,7 +207,6 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]
                     self.send(node, KEEPALIVE_MESSAGE)
         if self._server is not None and not self._ready:
             return
-        now = time.monotonic()
         for conn in list(self._unknownConnections):
             if (isinstance(conn, GuardedConnection)
                     and now - conn.accepted_at > AUTH_SECONDS):
