@@ -574,6 +574,15 @@ class Filesystem:
                 n.start_soon(prefix)
         return info, is_dir
 
+    async def _revalidate_same(self, inode: Inode) -> Inode:
+        """`_revalidate` for a request on this inode (a GETATTR, an OPEN): StaleObject if
+        the name shows another inode now (another type, or a new version while passthrough
+        opens keep this one), so the kernel looks the name up again."""
+        fresh = await self._revalidate(inode)
+        if fresh.ino != inode.ino:
+            raise StaleObject(f"{inode.key}: another inode now")
+        return fresh
+
     async def _revalidate(self, inode: Inode) -> Inode:
         """Bring a file inode up to date (its entry, or a HEAD coalesced with concurrent
         callers); NotFound if it is gone."""
@@ -948,12 +957,7 @@ class Filesystem:
                 and not (inode.meta_loaded and self._fresh(inode.checked))):
             if not inode.meta_loaded:
                 self._listed_file_stat(inode)
-            fresh = await self._revalidate(inode)
-            if fresh.ino != inode.ino:
-                # The name shows another inode now (another type, or a new version while
-                # passthrough opens keep this one): look it up again, as above.
-                raise StaleObject(f"{inode.key}: another inode now")
-            inode = fresh
+            inode = await self._revalidate_same(inode)
         return self.attr(inode)
 
     # -- directories ----------------------------------------------------------------------
@@ -1338,9 +1342,7 @@ class Filesystem:
         await self.notify.inode_settled(inode.ino)
         lf = self._caught_up(inode)
         if self._stale_for_open(inode, lf):
-            fresh = await self._revalidate(inode)
-            if fresh.ino != inode.ino:  # (as in getattr: the kernel looks the name up again)
-                raise StaleObject(f"{inode.key}: another inode now")
+            await self._revalidate_same(inode)
             lf = self.local.by_key.get(inode.key)
         if writable:
             lf = self._writer_copy(inode, lf)
