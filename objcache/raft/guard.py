@@ -16,7 +16,8 @@ buffers whatever length a frame header claims (a 2 GiB header makes it collect, 
 - a frame header is checked before anything is buffered: MAX_FIRST_FRAME before
   authentication, MAX_FRAME after;
 - a failed accept() is logged and skipped, never the end of the listener;
-- every connection carries a message at least every KEEPALIVE seconds. pysyncobj closes a
+- every connection carries a message at least every 1.5 x KEEPALIVE seconds (a keepalive
+  when nothing else went on it for KEEPALIVE). pysyncobj closes a
   connection on which nothing was read for `connectionTimeout`, and checks that when it
   next sends or reads, before it does: a link between two followers (they never talk
   while a leader leads) was closed by the first message sent on it, and that message was
@@ -170,7 +171,19 @@ class GuardedServer(TcpServer):  # type: ignore[misc]
 class GuardedTransport(TCPTransport):  # type: ignore[misc]
     """pysyncobj's TCP transport with the defences above (SyncObj's transportClass)."""
 
-    _keepalive_at = 0.0  # (monotonic) when the next keepalives go
+    _keepalive_at = 0.0  # (monotonic) when the links are next looked at for keepalives
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # (monotonic) when each node was last sent a message: a leader's links carry its
+        # appends and their answers several times a second, and need no keepalive
+        self._sent_at: dict[Any, float] = {}
+        super().__init__(*args, **kwargs)
+
+    def send(self, node: Any, message: Any) -> bool:
+        sent = bool(super().send(node, message))
+        if sent:
+            self._sent_at[node] = time.monotonic()
+        return sent
 
     def _createServer(self) -> None:
         conf = self._syncObj.conf
@@ -201,9 +214,12 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]
         super()._onTick()
         now = time.monotonic()
         if now >= self._keepalive_at:
-            self._keepalive_at = now + KEEPALIVE
+            # (looked at every half KEEPALIVE: a link is silent at most 1.5 x KEEPALIVE)
+            self._keepalive_at = now + KEEPALIVE / 2
+            self._sent_at = {n: t for n, t in self._sent_at.items() if n in self._connections}
             for node, conn in list(self._connections.items()):
-                if conn.state == CONNECTION_STATE.CONNECTED:
+                if (conn.state == CONNECTION_STATE.CONNECTED
+                        and now - self._sent_at.get(node, -KEEPALIVE) >= KEEPALIVE):
                     self.send(node, KEEPALIVE_MESSAGE)
         if self._server is not None and not self._ready:
             return

@@ -15,7 +15,7 @@ from pysyncobj.tcp_connection import CONNECTION_STATE
 from pysyncobj.transport import TCPTransport
 
 from objcache.raft.follower_fix import MAX_PROMISE
-from objcache.raft.guard import KEEPALIVE_MESSAGE
+from objcache.raft.guard import KEEPALIVE, KEEPALIVE_MESSAGE
 from objcache.raft.node import JOINING_MARK, RaftNode, _Replica, make_conf
 from objcache.txn.state import ClusterState
 from tests.helpers.cluster import free_port
@@ -352,7 +352,7 @@ class _Link:
         self.state = CONNECTION_STATE.CONNECTED
 
 
-def test_every_link_carries_a_keepalive_each_second(
+def test_every_silent_link_carries_a_keepalive_each_second(
         follower: Follower, monkeypatch: pytest.MonkeyPatch) -> None:
     # pysyncobj closes a link on which nothing was read for connectionTimeout, at its
     # next message, and loses that message: two followers never talk while a leader
@@ -363,15 +363,33 @@ def test_every_link_carries_a_keepalive_each_second(
     down.state = CONNECTION_STATE.DISCONNECTED
     transport._connections = {up: _Link(), down: down}
     sent: list[tuple[object, dict[str, Any]]] = []
-    monkeypatch.setattr(transport, "send", lambda node, msg: sent.append((node, msg)))
+
+    def record(self: TCPTransport, node: object, msg: dict[str, Any]) -> bool:
+        sent.append((node, msg))
+        return True
+
+    monkeypatch.setattr(TCPTransport, "send", record)
+    monkeypatch.delattr(transport, "send")  # (the fixture's; GuardedTransport.send now)
+
+    def look() -> None:  # (the next look at the links is due)
+        transport._keepalive_at = monotonic() - 0.01
+        transport._onTick()
+
     transport._onTick()
-    transport._onTick()  # (within the second: nothing more)
+    transport._onTick()  # (before the next look: nothing more)
     assert sent == [(up, KEEPALIVE_MESSAGE)]
-    transport._keepalive_at = monotonic() - 0.01
-    transport._onTick()
+    look()  # (a keepalive went less than KEEPALIVE ago: none)
+    assert sent == [(up, KEEPALIVE_MESSAGE)]
+    transport._sent_at[up] = monotonic() - KEEPALIVE
+    look()
     assert sent == [(up, KEEPALIVE_MESSAGE)] * 2
+    # A link that carries other messages (a leader's appends) needs no keepalive
+    transport._sent_at[up] = monotonic() - KEEPALIVE
+    transport.send(up, {"type": "append_entries"})
+    look()
+    assert sent == [(up, KEEPALIVE_MESSAGE)] * 2 + [(up, {"type": "append_entries"})]
     # ...and a member that receives one changes nothing and answers nothing
     follower.load([1, 2], commit=3, term=2)
-    follower.sent.clear()
+    before = list(sent)
     follower.replica._SyncObj__onMessageReceived(follower.leader, dict(KEEPALIVE_MESSAGE))
-    assert follower.sent == [] and follower.replica._SyncObj__raftCurrentTerm == 2
+    assert sent == before and follower.replica._SyncObj__raftCurrentTerm == 2
