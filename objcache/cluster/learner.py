@@ -110,6 +110,13 @@ class Learner:
         self._submit_avoid: dict[str, float] = {}
         self._hash = zlib.crc32(membership.me.id.encode())
         self.batcher = Batcher(self._send_batch)
+        # One change of the state at a time: entries come in feed, submit and read-index
+        # answers, and their applies pause between slices. A snapshot installed in such a
+        # pause set `applied` back below what the paused apply had reached, which then went
+        # on from where it was: the entries in between were never applied (the partition
+        # nemesis with learners, seed 5706: two files on one node left as they were
+        # before their rename and unlink, which every other node showed).
+        self._applying = trio.Lock()
         self._cancel = trio.CancelScope()
         self._want = 0  # the highest index someone here waits to have applied
         self._active_until = -math.inf  # (trio time) until then, no lingering
@@ -216,16 +223,24 @@ class Learner:
             return
         group = reply.get("group")
         if reply.get("snapshot"):
-            state = pickle.loads(bytes(data))  # from an authenticated member
-            with self.feed.lock:
-                old, self.state = self.state, state
-                self.feed.reset(through)
-                before, self.applied = self.applied, through
-            if before:  # (not our first state: what the node shows came from the old one)
-                self._on_applied(state, {"op": STATE_REPLACED, "old": old}, through)
-            if isinstance(group, str):
-                self.group = group
-            self.snapshots += 1
+            async with self._applying:
+                if (through <= self.applied
+                        and (not isinstance(group, str) or group == self.group)):
+                    # Older than what we applied since we asked (an answer to a command or
+                    # a read barrier brought the entries): nothing to take.
+                    log.info("raft: a snapshot at index %d came after we applied %d: "
+                             "not taken", through, self.applied)
+                    return
+                state = pickle.loads(bytes(data))  # from an authenticated member
+                with self.feed.lock:
+                    old, self.state = self.state, state
+                    self.feed.reset(through)
+                    before, self.applied = self.applied, through
+                if before:  # (not our first state: the node shows what came from the old)
+                    self._on_applied(state, {"op": STATE_REPLACED, "old": old}, through)
+                if isinstance(group, str):
+                    self.group = group
+                self.snapshots += 1
             log.info("raft: took a snapshot of the state at index %d (%.0f KiB)", through,
                      len(data) / 1024)
         else:
@@ -238,23 +253,23 @@ class Learner:
     async def _apply(self, data: Any) -> bool:
         """Apply the entries packed in `data` (index, command) that follow what we have
         applied, in order; False if we stopped meanwhile. A feed answer and a submit
-        answer may both bring an entry: the first applies it, the other skips it. (Both
-        lists are runs of the same log, so whichever resumes after the other's slice
-        finds its next entry is the one after `applied`.)"""
+        answer may both bring an entry: the first applies it, the other skips it (one
+        apply at a time: `_applying`)."""
         entries = msgpack.unpackb(bytes(data), raw=False)
-        for n, (idx, blob) in enumerate(entries):
-            if idx <= self.applied:
-                continue
-            with self.feed.lock:
-                apply_entry(self.state, blob, idx, self._on_applied)
-                self.feed.add(idx, blob)
-            self.applied = idx
-            self.feed.on_add()
-            if n % APPLY_SLICE == APPLY_SLICE - 1:
-                self._on_progress(self.applied)
-                await trio.lowlevel.checkpoint()
-                if self.stopped:
-                    return False
+        async with self._applying:
+            for n, (idx, blob) in enumerate(entries):
+                if idx <= self.applied:
+                    continue
+                with self.feed.lock:
+                    apply_entry(self.state, blob, idx, self._on_applied)
+                    self.feed.add(idx, blob)
+                self.applied = idx
+                self.feed.on_add()
+                if n % APPLY_SLICE == APPLY_SLICE - 1:
+                    self._on_progress(self.applied)
+                    await trio.lowlevel.checkpoint()
+                    if self.stopped:
+                        return False
         return True
 
     # -- committing -----------------------------------------------------------------------
