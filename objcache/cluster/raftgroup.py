@@ -657,7 +657,14 @@ class RaftGroup(Generic[T]):
                            and m.group == self.group
                            and self._promote_failed.get(m.id, 0) < now),
                           key=lambda m: m.id)
-        dead = [a for a in others if (m := by_raft.get(a)) is None or m.state == DEAD]
+        # Dead to membership, and silent to us: membership takes news from other members,
+        # and in a partition that a member bridges, one side's news reached the other.
+        # A leader removed a voter on its own side that it still heard from, and the two
+        # voters left, one on each side, made no majority until the heal (the partition
+        # nemesis, seed 5710); another removed a voter it heard from and, itself wiped
+        # 1.5 s later, left a group that could elect no leader (seed 5709).
+        dead = [a for a in others if ((m := by_raft.get(a)) is None or m.state == DEAD)
+                and not raft.heard_from(a)]
         if dead and learners:
             log.info("raft: removing voter %s, which stopped answering; a learner takes its "
                      "place", dead[0])

@@ -607,6 +607,17 @@ class RaftNode:
     def term(self) -> int:
         return int(self._replica.raftCurrentTerm or 0)
 
+    def heard_from(self, addr: str) -> bool:
+        """As leader: whether the voter at `addr` answered our appends within
+        leaderFallbackTimeout, the measure pysyncobj itself counts a majority by."""
+        r = self._replica
+        if not r._isLeader():
+            return False
+        deadline = monotonic() - r._SyncObj__conf.leaderFallbackTimeout
+        # (pysyncobj's thread writes the map: a copy, taken at once under the GIL)
+        seen = list(r._SyncObj__lastResponseTime.items())
+        return any(n.id == addr and t > deadline for n, t in seen)
+
     def leading(self) -> tuple[int, int] | None:
         """(term, commit index) while this member leads; None otherwise. pysyncobj's
         fields, read from the trio thread: the term is read before and after, so both

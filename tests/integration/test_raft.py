@@ -139,6 +139,11 @@ async def test_a_leader_that_hands_over_is_replaced_at_once(tmp_path: Path) -> N
                 await trio.sleep(0.05)
         await trio.sleep(5.0)  # (longer than connectionTimeout, 3.5 s)
         old = leaders()[0]
+        # (what voter removal asks the leader: it hears from every follower; a follower
+        # answers for no one)
+        assert all(old.heard_from(n.addr) for n in nodes if n is not old)
+        assert not old.heard_from("127.0.0.1:1")
+        assert not any(n.heard_from(old.addr) for n in nodes if n is not old)
         assert await old.step_down()
         t0 = trio.current_time()
         with trio.fail_after(10):
