@@ -609,7 +609,9 @@ class RaftNode:
 
     def heard_from(self, addr: str) -> bool:
         """As leader: whether the voter at `addr` answered our appends within
-        leaderFallbackTimeout, the measure pysyncobj itself counts a majority by."""
+        leaderFallbackTimeout, the measure pysyncobj itself counts a majority by. (pysyncobj
+        counts every voter as heard at the election and when it is added: a new leader
+        takes that long to find a voter silent.)"""
         r = self._replica
         if not r._isLeader():
             return False
