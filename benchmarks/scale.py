@@ -11,7 +11,10 @@ For each N:
   (two nodes that are neither the leader nor, when there are any, voters), p50 / p99;
   at rest (batches of 50, each flushed to S3 after it, outside the timing) and under
   write-back (after each round trip, the file of 5 round trips before is flushed, one at
-  a time, beside them): the same load at every N either way;
+  a time, beside them): the same load at every N either way; optionally
+  (`--c2o-yield`) at rest again with the other learners in a cgroup of the idle class,
+  which emulates that on a real cluster they run on CPUs of their own
+  (benchmarks.idle_cgroup), or (`--c2o-frozen`) stopped;
 - commits: `--writers` threads on every node but the leader, each creating 1 KiB files for
   `--seconds`; closes/s, Raft log entries and commands per close, the leader's CPU per
   close (its process, and its Raft thread), the largest apply lag seen on any member
@@ -49,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.idle_cgroup import IdleCgroupUnavailable, idle_cgroup
 from benchmarks.single_node import MiB, drop_page_cache, read_file, remove_workdir
 from objcache import control
 from tests.helpers.cluster import Cluster
@@ -414,6 +418,23 @@ class Scale:
         r["stopped"] = len(others)
         return r
 
+    def close_to_open_yielding(self, a: Mount, b: Mount, files: int, tag: str
+                               ) -> dict[str, Any]:
+        """The same round trips with every other learner in a cgroup of the idle class
+        (benchmarks.idle_cgroup): they keep following the log, holding copies and
+        answering, on the CPU the round trip's daemons leave, as they would on nodes of
+        their own. Unlike `close_to_open_frozen`, nothing is routed around them."""
+        voters = set(self.voter_addrs())
+        others = [self.pid(m) for m in self.nodes if m is not a and m is not b
+                  and raft_addr(m) not in voters and m.proc is not None]
+        try:
+            with idle_cgroup(others):
+                r = self.close_to_open(a, b, files, f"{tag}-yield")
+        except IdleCgroupUnavailable as e:
+            return {"unavailable": str(e)}
+        r["yielding"] = len(others)
+        return r
+
     def voter_addrs(self) -> list[str]:
         views = [raft_view(s) for s in self.statuses()]
         return sorted(views[0].voters) if views and views[0] else []
@@ -664,6 +685,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.c2o_frozen:
                 r["frozen"] = phase("close-to-open, the other learners stopped",
                                     sc.close_to_open_frozen, a, b, args.c2o_frozen, str(n))
+            if args.c2o_yield:
+                r["yielding"] = phase("close-to-open, the other learners in an idle cgroup",
+                                      sc.close_to_open_yielding, a, b, args.c2o_yield,
+                                      str(n))
             r["commits"] = phase("commits", sc.commits, args.writers, args.seconds, str(n))
             r["cold_read_64mib"] = phase("cold read", sc.cold_read, f"cold64-{n}")
             r["s3_errors_all_nodes"] = sum(sum(st["s3"]["errors"].values())
@@ -708,6 +733,10 @@ def table(out: dict[str, Any]) -> str:
          lambda r: (f"{r['frozen']['close_to_open_ms']['p50']} / "
                     f"{r['frozen']['close_to_open_ms']['p99']} ({r['frozen']['stopped']})"
                     if r.get("frozen") else "-")),
+        ("close-to-open p50 / p99, the other learners in an idle cgroup (ms)",
+         lambda r: (f"{r['yielding']['close_to_open_ms']['p50']} / "
+                    f"{r['yielding']['close_to_open_ms']['p99']} ({r['yielding']['yielding']})"
+                    if r.get("yielding", {}).get("close_to_open_ms") else "-")),
         ("close-to-open: all daemons' CPU per round trip (ms); machine busy (cores)",
          lambda r: f"{r['round_trip_cost']['daemons_cpu_ms_per_round_trip']}; "
                    f"{r['round_trip_cost']['machine_busy_cores']}"),
@@ -752,6 +781,9 @@ def main() -> None:
     p.add_argument("--files", type=int, default=50, help="close-to-open round trips")
     p.add_argument("--c2o-frozen", type=int, default=0, metavar="FILES",
                    help="also that many round trips with the other learners stopped")
+    p.add_argument("--c2o-yield", type=int, default=0, metavar="FILES",
+                   help="also that many round trips with the other learners in a cgroup "
+                        "of the idle class (each node's own CPU, emulated)")
     p.add_argument("--writers", type=int, default=2, help="writer threads per node")
     p.add_argument("--seconds", type=float, default=8.0, help="commit phase length")
     p.add_argument("--idle-seconds", type=float, default=10.0)
