@@ -53,6 +53,9 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
                      "--listen port + 1)"}),
     ("--raft-voters", {"metavar": "N", "type": int, "help": "members that vote in Raft; "
                        "the others follow the log without voting (default 5)"}),
+    ("--raft-compact-entries", {"metavar": "N", "type": int, "help": "a voter dumps the "
+                                "state and drops its Raft log every N entries; the log is "
+                                "held in memory until then (default 10000)"}),
     ("--peer-timeout", {"metavar": "SECONDS", "help": "take a silent peer off the ring "
                         "after this long (default 5)"}),
     ("--replicas", {"metavar": "N", "type": int, "help": "nodes holding each closed, not "

@@ -87,6 +87,9 @@ class MountConfig:
     raft_port: int | None = None  # default: the --listen port + 1
     # Members that vote in Raft; the others follow the log as learners (issue 28).
     raft_voters: int = 5
+    # A voter compacts its Raft log (a dump of the state) every this many entries: the log
+    # is held in memory until then (objcache.raft.node.COMPACT_ENTRIES).
+    raft_compact_entries: int = 10_000
     metrics_addr: str | None = None  # HOST:PORT for Prometheus /metrics
     recover_mount: bool = False  # detach a dead mount left at the mountpoint by a crash
     # Serve opens whose bytes are all on this node through the kernel (FUSE passthrough):
@@ -147,6 +150,8 @@ class MountConfig:
                     raise UserError(f"invalid peer address {peer.strip()!r}: expected HOST:PORT")
         if not 1 <= self.raft_voters <= 15:
             raise UserError("invalid raft-voters: expected 1..15 (odd numbers: 3 or 5)")
+        if self.raft_compact_entries < 100:
+            raise UserError("invalid raft-compact-entries: must be at least 100 log entries")
         if not 1 <= self.replicas <= 5:
             raise UserError("invalid replicas: expected 1..5 copies of each dirty file")
         if self.txn_timeout < 1:
@@ -173,7 +178,7 @@ _DURATION_KEYS = {"writeback_delay", "metadata_ttl", "s3_retry_seconds", "peer_t
                   "txn_timeout", "catch_up_seconds"}
 _BOOL_KEYS = {"foreground", "read_only", "allow_other", "recover_mount", "no_passthrough",
               "sign_payload"}
-_INT_KEYS = {"s3_concurrency", "replicas", "raft_voters"}
+_INT_KEYS = {"s3_concurrency", "replicas", "raft_voters", "raft_compact_entries"}
 
 
 def parse_source(source: str) -> tuple[str, str]:

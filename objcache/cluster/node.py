@@ -127,7 +127,7 @@ class ClusterNode:
         self.raft: RaftGroup[Any] = RaftGroup(self.membership, self.client, self.pool,
                                               raft_addr, raft_dir, key.hex(), new_state,
                                               extract, cfg.catch_up_seconds,
-                                              cfg.raft_voters)
+                                              cfg.raft_voters, cfg.raft_compact_entries)
 
     def routes(self) -> dict[str, Handler]:
         """The requests this part of the node answers (membership and Raft)."""

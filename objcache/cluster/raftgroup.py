@@ -57,7 +57,7 @@ from objcache.cluster.membership import ALIVE, DEAD, LEFT, Member
 from objcache.cluster.peers import field_int, field_str, split_addr
 from objcache.cluster.readindex import ReadIndex
 from objcache.errors import NoQuorum, ObjcacheError, PeerError, ProtocolError
-from objcache.raft.node import RaftNode, StateMachine, pack_entries
+from objcache.raft.node import COMPACT_ENTRIES, RaftNode, StateMachine, pack_entries
 from objcache.ticks import next_tick, sleep_ticks
 
 if TYPE_CHECKING:
@@ -130,8 +130,10 @@ class RaftGroup(Generic[T]):
                  raft_addr: str, raft_dir: Path, secret: str,
                  new_state: Callable[[], StateMachine],
                  extract: Callable[[Any, dict[str, Any]], T | None],
-                 catch_up_wait: float = CATCH_UP_WAIT, max_voters: int = MAX_VOTERS) -> None:
+                 catch_up_wait: float = CATCH_UP_WAIT, max_voters: int = MAX_VOTERS,
+                 compact_entries: int = COMPACT_ENTRIES) -> None:
         self.catch_up_wait = catch_up_wait
+        self.compact_entries = compact_entries
         self.max_voters = max(1, max_voters)
         self.membership = membership
         self.client = client
@@ -364,7 +366,7 @@ class RaftGroup(Generic[T]):
         count toward a commit until caught up either."""
         node = RaftNode(self.addr, partners, self.dir, self.secret, self.new_state(),
                         lambda m, c, i: self._applied_by(tag, m, c, i),
-                        joining=joining, wiped=wiped)
+                        joining=joining, wiped=wiped, compact_entries=self.compact_entries)
         # (after the node: a restart finds partners.json only beside a journal that knows
         # whether it was still joining)
         self._save_group(partners)

@@ -25,8 +25,9 @@ docs/architecture.md, "Raft"):
 - appendEntriesUseBatch=False: the batch period would add ~100 ms to every commit;
 - a journal file and a full dump file in the node's own directory, so a restarted node
   replays its log;
-- log compaction only after many entries and minutes, which keeps the compaction path
-  (where a follower journal was seen to break under load) out of the hot path.
+- log compaction after COMPACT_ENTRIES entries or 10 minutes: a voter holds its log in
+  memory, and the dump that compacts it stops the Raft thread while it is written (the
+  state keeps that short: objcache.txn.state).
 The follower's log handling is corrected in objcache/raft/follower_fix.py, and the port is
 defended (own address only, authentication deadline, frame limits) in
 objcache/raft/guard.py.
@@ -82,6 +83,14 @@ Applied = Callable[[Any, dict[str, Any], int], None]
 # snapshot. Bounded in bytes too: it is resident memory.
 FEED_ENTRIES = 20_000
 FEED_BYTES = 16 << 20
+# A voter compacts its log (a dump of the state, then the entries before it dropped) once
+# it holds this many (etcd's snapshot count is the same). The log is in memory, about
+# 0.5 KB an entry (3 voters after 22,000 entries in 60 s: 126 MB against 136 with
+# pysyncobj's 200,000), so it could grow by 100 MB in the 10 minutes of COMPACT_SECONDS.
+# A follower further behind than the log takes the dump instead, a few MB.
+COMPACT_ENTRIES = 10_000
+COMPACT_SECONDS = 600
+DUMP_LOGGED = 0.02  # a compaction that held the Raft thread this long is logged
 BATCH_BYTES = 4 << 20  # one log entry carries at most this much of a batch...
 BATCH_COMMANDS = 256  # ...and this many commands
 BATCHES_IN_FLIGHT = 2
@@ -92,7 +101,8 @@ TRANSFER_TRIES = 1.0  # a leaving leader asks a follower to take over for this l
 TRANSFER_RETRY = 0.01  # ...this often
 
 
-def make_conf(data_dir: Path, bind: str | None = None) -> SyncObjConf:
+def make_conf(data_dir: Path, bind: str | None = None,
+              compact_entries: int = COMPACT_ENTRIES) -> SyncObjConf:
     return SyncObjConf(
         bindAddress=bind,  # our own address: pysyncobj would bind 0.0.0.0
         useFork=False,
@@ -118,8 +128,8 @@ def make_conf(data_dir: Path, bind: str | None = None) -> SyncObjConf:
         # default is 30 s): a leader cut off from the majority stops taking commands
         # (which could only be settled after the heal, as in doubt) within seconds.
         leaderFallbackTimeout=3.5,
-        logCompactionMinEntries=200_000,
-        logCompactionMinTime=600,
+        logCompactionMinEntries=compact_entries,
+        logCompactionMinTime=COMPACT_SECONDS,
         # one command up to this size travels as one message; bigger ones would take
         # pysyncobj's chunked path, which the follower fix does not cover
         appendEntriesBatchSizeBytes=16 << 20,
@@ -300,6 +310,17 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
     def encryptor(self) -> FrameSeal:  # what pysyncobj's transport seals frames with
         return self._seal
 
+    def _SyncObj__tryLogCompaction(self) -> None:
+        """pysyncobj's, timed: the dump it writes (useFork=False) holds this thread, so
+        no entry is sent or committed meanwhile, and an operator should see how long."""
+        entries = len(self._SyncObj__raftLog)  # type: ignore[attr-defined]
+        began = monotonic()
+        SyncObj._SyncObj__tryLogCompaction(self)  # type: ignore[attr-defined]
+        took = monotonic() - began
+        if took >= DUMP_LOGGED:
+            log.info("raft: dumped the state to compact a log of %d entries in %.0f ms",
+                     entries, took * 1e3)
+
     @replicated  # type: ignore[misc]
     def _apply(self, blob: bytes) -> Any:
         # pysyncobj counts an entry as applied once this returns: this is the next one
@@ -428,7 +449,8 @@ class Batcher:
 class RaftNode:
     def __init__(self, self_addr: str, partners: list[str], data_dir: Path,
                  secret: str, state: StateMachine, on_applied: Applied = _ignore,
-                 joining: bool = False, wiped: bool = False) -> None:
+                 joining: bool = False, wiped: bool = False,
+                 compact_entries: int = COMPACT_ENTRIES) -> None:
         """`joining`: we start with no log into a group that has one; we neither vote
         nor stand for election until caught up (objcache/raft/follower_fix.py). `wiped`:
         the group counts our address as a voter already (our cache dir was lost); until
@@ -458,7 +480,8 @@ class RaftNode:
             mark.write_bytes(MARK_WIPED if wiped else MARK_JOINING)
         self.addr = self_addr
         self._replica = _Replica(self_addr, [p for p in partners if p != self_addr],
-                                 make_conf(data_dir, self_addr), secret, state, on_applied,
+                                 make_conf(data_dir, self_addr, compact_entries), secret,
+                                 state, on_applied,
                                  joining, wiped, mark if joining else None)
         self.batcher = Batcher(self._send_batch)
         self._stopped = False  # destroyed: calls waiting on it fail at once (`_call`)

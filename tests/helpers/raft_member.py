@@ -2,7 +2,9 @@
 commit `commands` puts and counter increments (exactly-once by transaction id, retried
 through leader loss), then keeps reporting its state digest to a JSON file until killed.
 
-python -m tests.helpers.raft_member ADDR PARTNERS DIR SECRET CLIENTS COMMANDS OUT
+python -m tests.helpers.raft_member ADDR PARTNERS DIR SECRET CLIENTS COMMANDS OUT [COMPACT]
+
+COMPACT: the member compacts its log (a dump of the state) every that many entries.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import msgpack
 import trio
 
 from objcache.errors import NoQuorum
-from objcache.raft.node import RaftNode
+from objcache.raft.node import COMPACT_ENTRIES, RaftNode
 
 
 class Counters:
@@ -107,9 +109,10 @@ def _write(out: str, st: dict) -> None:  # type: ignore[type-arg]
 
 
 async def main(addr: str, partners: str, data: str, secret: str, clients: int,
-               commands: int, out: str) -> None:
+               commands: int, out: str, compact: int = COMPACT_ENTRIES) -> None:
     name = addr.replace(":", "_")
-    node = RaftNode(addr, partners.split(","), Path(data), secret, Counters())
+    node = RaftNode(addr, partners.split(","), Path(data), secret, Counters(),
+                    compact_entries=compact)
     progress = [0]
     done = False
 
@@ -135,4 +138,5 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = sys.argv[1:]
-    trio.run(main, a[0], a[1], a[2], a[3], int(a[4]), int(a[5]), a[6])
+    trio.run(main, a[0], a[1], a[2], a[3], int(a[4]), int(a[5]), a[6],
+             *(int(x) for x in a[7:8]))
