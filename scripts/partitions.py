@@ -46,6 +46,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--seed", type=int, default=None, help="first seed (default: time)")
     ap.add_argument("--verbose", action="store_true", help="print every fault and EIO")
+    ap.add_argument("--flag", action="append", default=[],
+                    help="an extra daemon flag (repeat it: --flag=--raft-compact-entries "
+                    "--flag=200)")
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep every run's daemon logs, not only a failed run's")
     args = ap.parse_args()
@@ -75,7 +78,7 @@ def main() -> int:
                 net.start_s3(weed.port)
                 res = partition.run(net, Cluster(weed.endpoint, bucket, root, mounts, net), s3,
                                     bucket, args.seconds, seed, args.nodes,
-                                    voters=args.voters)
+                                    voters=args.voters, extra_flags=tuple(args.flag))
             except Exception as e:  # (no verdict: the cluster never settled, a start failed)
                 print(f"run {run + 1}/{args.runs} nodes {args.nodes} seed {seed}: FAILED "
                       f"before its check: {type(e).__name__}: {str(e)[:2000]}", flush=True)

@@ -327,6 +327,9 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
         index = self._SyncObj__raftLastApplied + 1
         with self.feed.lock:
             if self.state is not self._fed_state:  # a snapshot replaced the state
+                log.info("raft: the state now comes from a dump through index %d (ours "
+                         "after a restart, or the leader's: we were behind its log)",
+                         index - 1)
                 self.feed.reset(index - 1)
                 self.on_applied(self.state, {"op": STATE_REPLACED, "old": self._fed_state},
                                 index - 1)

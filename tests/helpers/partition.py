@@ -432,12 +432,13 @@ def _collect(i: int, proc: subprocess.Popen[str], ops: list[Op]) -> None:
 
 def run(net: TestNet, cluster: Cluster, s3: Any, bucket: str, seconds: float, seed: int,
         nodes_n: int = 3, kills: bool = True, workers_per_node: int = 1,
-        voters: int | None = None) -> Result:
-    """`voters`: at most this many members vote (--raft-voters); the others are learners."""
+        voters: int | None = None, extra_flags: tuple[str, ...] = ()) -> Result:
+    """`voters`: at most this many members vote (--raft-voters); the others are learners.
+    `extra_flags`: given to every daemon after the campaign's own."""
     rng = random.Random(seed)
     res = Result(seed)
     voters = min(nodes_n, voters or nodes_n)
-    flags = (*FLAGS, "--raft-voters", str(voters))
+    flags = (*FLAGS, "--raft-voters", str(voters), *extra_flags)
     nodes = [cluster.add(*flags) for _ in range(nodes_n)]
     cluster.wait_raft(nodes, voters, timeout=30 + 2 * nodes_n)
     root = nodes[0].mnt
