@@ -6,7 +6,7 @@ real cluster it never does: the daemons that a close-to-open round trip does not
 (the learners that neither write nor read) take the cores from the ones it waits for. A
 scheduling policy per thread (SCHED_IDLE) cannot say which is which here: each daemon is
 started in a session of its own, and with the kernel's autogroups (sched_autogroup_enabled,
-on by default in most distributions) each session is a task group scheduled fairly against
+1 on this machine) each session is a task group scheduled fairly against
 the others, so a thread's policy only ranks it inside its own daemon
 (`python -m benchmarks.sched_chain` shows both). A cgroup with `cpu.idle` set is the same
 class for a whole group: its tasks run when nothing else wants a core.
