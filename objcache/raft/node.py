@@ -86,7 +86,7 @@ FEED_BYTES = 16 << 20
 # A voter compacts its log (a dump of the state, then the entries before it dropped) once
 # it holds this many (etcd's snapshot count is the same). The log is in memory, about
 # 0.5 KB an entry (3 voters after 22,000 entries in 60 s: 126 MB against 136 with
-# pysyncobj's 200,000), so it could grow by 100 MB in the 10 minutes of COMPACT_SECONDS.
+# the 200,000 set before), so it could grow by 100 MB in the 10 minutes of COMPACT_SECONDS.
 # A follower further behind than the log takes the dump instead, a few MB.
 COMPACT_ENTRIES = 10_000
 COMPACT_SECONDS = 600
