@@ -84,7 +84,7 @@ Applied = Callable[[Any, dict[str, Any], int], None]
 FEED_ENTRIES = 20_000
 FEED_BYTES = 16 << 20
 # A voter compacts its log (a dump of the state, then the entries before it dropped) once
-# it holds this many (etcd's snapshot count is the same). The log is in memory, about
+# it holds this many (pysyncobj's default is 5,000). The log is in memory, about
 # 0.5 KB an entry (3 voters after 22,000 entries in 60 s: 126 MB against 136 with
 # the 200,000 set before), so it could grow by 100 MB in the 10 minutes of COMPACT_SECONDS.
 # A follower further behind than the log takes the dump instead, a few MB.
