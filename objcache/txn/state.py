@@ -87,7 +87,7 @@ class ClusterState:
             if not isinstance(tx, str):
                 return {"error": "malformed command: tx must be a string"}
             if tx in self._tx:
-                return self._tx[tx]
+                return self._recall(tx)
             if tx in self._fenced:
                 return {"error": "fenced"}
         op = cmd.get("op")
@@ -104,7 +104,10 @@ class ClusterState:
             result = {"error": f"malformed {op}: {e}"}
         self.applied += 1
         if tx is not None:
-            self._tx[tx] = result
+            # Packed: with the 100,000 remembered and 5,000 files not yet written back,
+            # the state took 23.7 MB, against 37.9 with each result kept as its dict
+            # (tracemalloc), on every member. A learner gets its results packed anyway.
+            self._tx[tx] = msgpack.packb(result, use_bin_type=True)
             while len(self._tx) > MAX_REMEMBERED_TX:
                 self._tx.popitem(last=False)
         return result
@@ -117,13 +120,19 @@ class ClusterState:
         txs = cmd["txs"]
         if not isinstance(txs, list) or not all(isinstance(t, str) for t in txs):
             return {"error": "malformed fence: txs must be a list of ids"}
-        applied = {t: self._tx[t] for t in txs if t in self._tx}
+        applied = {t: self._recall(t) for t in txs if t in self._tx}
         for t in txs:
             if t not in applied:
                 self._fenced[t] = None
         while len(self._fenced) > MAX_REMEMBERED_TX:
             self._fenced.popitem(last=False)
         return {"applied": applied, "fenced": [t for t in txs if t not in applied]}
+
+    def _recall(self, tx: str) -> Any:
+        """The result `tx` had when it was applied (a state from before results were
+        packed holds them as they were)."""
+        kept = self._tx[tx]
+        return msgpack.unpackb(kept, raw=False) if isinstance(kept, bytes) else kept
 
     def _member(self, cmd: dict[str, Any]) -> Any:
         node = str(cmd["node"])

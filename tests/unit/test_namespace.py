@@ -90,7 +90,7 @@ def test_malformed_rename_changes_nothing_and_states_agree() -> None:
     for c in cmds:
         ra, rb = a.apply(dict(c)), b.apply(dict(c))
         assert ra == rb
-    assert "error" in a._tx["2"] and a.ns.get("r/q") is not None and a.ns.get("p/q") is None
+    assert "error" in a._recall("2") and a.ns.get("r/q") is not None and a.ns.get("p/q") is None
     assert a.digest() == b.digest()
 
 

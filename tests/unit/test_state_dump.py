@@ -5,6 +5,9 @@ thread, and a dump written before that change still loads."""
 from __future__ import annotations
 
 import pickle
+from collections import OrderedDict
+
+import msgpack
 
 from objcache.txn.state import ClusterState
 from tests.unit.test_namespace import f, run
@@ -31,10 +34,21 @@ def test_a_dump_is_one_compressed_stream_and_loads_the_same_state() -> None:
         run(st, [0], op="ns.create", key="d/f0", e=f())
 
 
+def test_a_retry_answers_what_the_first_application_answered() -> None:
+    st = ClusterState()
+    first = st.apply({"tx": "a", "op": "ns.create", "key": "x", "e": f()})
+    again = st.apply({"tx": "a", "op": "ns.create", "key": "x", "e": f()})
+    assert first == again == {"ok": True, "ver": 1}
+    assert st.apply({"tx": "b", "op": "fence", "txs": ["a", "c"]}) == \
+        {"applied": {"a": first}, "fenced": ["c"]}
+
+
 def test_a_dump_written_before_compression_still_loads() -> None:
     st = _state(20)
     old = dict(st.__dict__)
     del old["lock"]
+    # (then results were kept as they were, not packed)
+    old["_tx"] = OrderedDict((t, msgpack.unpackb(r)) for t, r in st._tx.items())
     back = ClusterState.__new__(ClusterState)
     back.__setstate__(old)
     assert back.digest() == st.digest()
