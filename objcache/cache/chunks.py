@@ -927,6 +927,8 @@ class ChunkCache:
                 elif keep and not recent.keep and self._nursery is not None:
                     # Read from memory and now worth keeping (a hot remote chunk): it goes
                     # to disk from the buffer, without fetching it again.
+                    log.debug("keeping chunk %d of %r read again (near-cache: %s)", idx, key,
+                              near)
                     recent.keep, recent.near = True, near
                     self._landing.setdefault(cid, trio.Event())
                     self._nursery.start_soon(self._keep_later, recent)
@@ -1407,3 +1409,8 @@ class ChunkCache:
 
     def chunk_count(self) -> int:
         return len(self._index)
+
+    def chunks_landing(self) -> int:
+        """Chunks read (or being read) that are on their way to a cache file: served
+        from memory meanwhile, counted by `chunk_count` once they are on disk."""
+        return len(self._landing)

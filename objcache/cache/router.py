@@ -171,6 +171,9 @@ class ChunkRouter:
         hot = bool(self.cache.near_capacity) and (
             obj_size <= self.cache.near_capacity // 2
             or seen > self.cache.chunk_len(obj_size, idx))
+        if hot and seen - n <= self.cache.chunk_len(obj_size, idx) < seen:
+            log.debug("chunk %d of %r read more than once over here (%d bytes): kept in the "
+                      "near-cache", idx, key, seen)
         return {"keep": hot, "near": hot}
 
     def landing(self, key: str, etag: str, size: int) -> bool:

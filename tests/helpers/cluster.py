@@ -68,6 +68,19 @@ class Cluster:
         self.addrs.append(addr)
         return m.start() if start else m
 
+    def wait_landed(self, nodes: list[Mount], timeout: float = 20) -> list[dict]:  # type: ignore[type-arg]
+        """Until no node in `nodes` has chunks on their way to its cache disk (a read
+        is answered from memory before the chunk it read is written); their statuses."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = [n.status() for n in nodes]
+            landing = [st["cache"]["chunks_landing"] for st in stats]
+            if not any(landing):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"chunks still landing after {timeout}s: {landing}")
+            time.sleep(0.1)
+
     def wait_raft(self, nodes: list[Mount], members: int, timeout: float = 30) -> list[dict]:  # type: ignore[type-arg]
         """Until the nodes agree on one Raft group of `members` with one leader."""
         deadline = time.monotonic() + timeout

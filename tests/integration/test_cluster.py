@@ -56,6 +56,16 @@ def _read_all(paths: list[os.PathLike[str]]) -> list[str]:
     return out
 
 
+def _why(stats: list[dict]) -> list[dict]:  # type: ignore[type-arg]
+    """What explains a chunk cached away from its owner: each node's cache counters."""
+    keys = ("chunks", "chunks_landing", "near_cache_bytes", "peer_fallbacks",
+            "bytes_read_from_s3", "bytes_read_from_peers", "bytes_served_to_peers",
+            "corrupt_chunks")
+    return [{k: st["cache"][k] for k in keys} | {"suspects": [
+        m["addr"] for m in st["cluster"]["members"] if m["state"] == "suspect"]}
+        for st in stats]
+
+
 def test_three_nodes_fetch_a_file_from_s3_once(s3, bucket, cluster, proxy):  # type: ignore
     digest = _put_random(s3, bucket, "data/big.bin", 100 * MIB)
     nodes = [cluster.add("--chunk-size", "8M") for _ in range(3)]
@@ -67,14 +77,16 @@ def test_three_nodes_fetch_a_file_from_s3_once(s3, bucket, cluster, proxy):  # t
     assert digests == [digest] * 3
     fetched = proxy.get_object_bytes
     assert 100 * MIB <= fetched <= 100 * MIB + 2 * 8 * MIB, fetched / MIB
-    stats = [n.status() for n in nodes]
+    # (a chunk read from memory may still be on its way to its owner's disk: counted
+    # once it is there)
+    stats = cluster.wait_landed(nodes)
     # Each of the 13 chunks is cached once in the cluster, by the node the ring names, and
     # every node read the others from their owners.
     etag = s3.head_object(Bucket=bucket, Key="data/big.bin")["ETag"]
     ring = Ring({n.addr: 1 << 30 for n in nodes})  # type: ignore[attr-defined]
     owned = [sum(ring.owner(chunk_point("data/big.bin", etag, i)) == n.addr  # type: ignore
                  for i in range(13)) for n in nodes]
-    assert [st["cache"]["chunks"] for st in stats] == owned, (owned, stats)
+    assert [st["cache"]["chunks"] for st in stats] == owned, (owned, _why(stats))
     for st, mine in zip(stats, owned, strict=True):
         assert st["cache"]["bytes_read_from_peers"] >= (13 - mine) * 8 * MIB - 4 * MIB
         if mine:
@@ -159,7 +171,7 @@ def test_late_joiner_reads_without_refetching(s3, bucket, cluster, proxy):  # ty
     ring = Ring({n.addr: 1 << 30 for n in [*first, late]})
     owned = sum(ring.owner(chunk_point("ds/shard.bin", etag, i)) == late.addr
                 for i in range(16))
-    st = late.status()["cache"]
+    st = cluster.wait_landed([late])[0]["cache"]
     assert st["chunks"] == owned and st["bytes_read_from_s3"] == 0, (owned, st)
     assert st["bytes_fetched_from_peers"] == 96 * MIB, st  # all of it from the others
 
@@ -262,7 +274,7 @@ def test_hot_remote_chunks_are_kept_in_the_near_cache(s3, bucket, cluster):  # t
     for _ in range(2):  # two epochs, the page cache losing the file in between
         assert _sha(path) == digest
         _drop_file_pages(path)
-    remote = b.status()["cache"]["chunks"]
+    remote = cluster.wait_landed([b])[0]["cache"]["chunks"]
     assert remote >= 1
     deadline = time.monotonic() + 20
     while a.status()["cache"]["near_cache_bytes"] < remote * 8 * MIB:
