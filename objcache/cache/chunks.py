@@ -1046,13 +1046,23 @@ class ChunkCache:
             pass  # (gone meanwhile: the reader fetches it again)
 
     def _reclaim(self, read_only: bool) -> mmap.mmap | None:
-        """The buffer of the oldest kept download (`read_only`: only one that readers have
-        read to its end, which readahead may take without hurting a reader)."""
+        """The buffer of the oldest kept download that no reader needs from memory any
+        more: read to its end, or its chunk on the cache disk (a later read is a cache
+        hit). Readahead (`read_only`) takes only those; a reader that waits takes the
+        oldest one otherwise. (Taking the oldest first took, under a slow reader, another
+        node's chunk that the reader was in the middle of, while chunks on the disk kept
+        their buffers: the rest of it came over the network again.)"""
+        oldest = None
         for cid, f in self._recent.items():
-            if f.readers or (read_only and f.read_to < f.size):
+            if f.readers:
                 continue
-            return self._release_recent(cid, keep=True)
-        return None
+            if f.read_to >= f.size or cid in self._index:
+                return self._release_recent(cid, keep=True)
+            if oldest is None:
+                oldest = cid
+        if read_only or oldest is None:
+            return None
+        return self._release_recent(oldest, keep=True)
 
     def _release_recent(self, cid: ChunkId, keep: bool = False) -> mmap.mmap | None:
         f = self._recent.pop(cid)

@@ -346,3 +346,53 @@ def test_a_digest_reads_through_a_small_buffer(tmp_path: Path,
         xxhash.xxh3_128_digest(data)]
     assert localfiles.digests_of(str(path), [(0, 100)]) == [xxhash.xxh3_128_digest(data[:100])]
     assert sizes == [localfiles.DIGEST_PIECE, 100]
+
+
+class _Peer:
+    """Another node's chunks (kept in memory only here), counting what it is asked for."""
+
+    from_peer = True
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.fills: list[int] = []
+
+    async def fill(self, cid, obj_size, start, view, progress):  # type: ignore[no-untyped-def]
+        self.fills.append(cid[2])
+        base = cid[2] * CS + start
+        view[:] = self.data[base:base + len(view)]
+        progress(len(view))
+
+
+async def test_a_reader_takes_the_buffer_of_a_chunk_on_disk_before_one_half_read(
+        tmp_path):  # type: ignore[no-untyped-def]
+    """A reader that needs a download buffer takes one whose chunk is no longer needed
+    from memory (read to its end, or on the cache disk) before the oldest: that one may be
+    another node's chunk a reader is in the middle of, fetched again over the network for
+    its next read (a late joiner fetched 102 MiB of a 96 MiB file from its peers, CI)."""
+    store = MemoryStore()
+    data = os.urandom(4 * CS)
+    etag = store.put("k", data)
+    peer = _Peer(data)
+    db = StateDB(tmp_path / "state.db")
+    cache = ChunkCache(db, tmp_path, 100 << 20, CS, store, buffers=2)  # type: ignore[arg-type]
+    async with trio.open_nursery() as n:
+        await n.start(cache.run)
+        # Chunk 0 is another node's, read half; chunk 1 is ours (kept on disk) and read
+        # from memory after it; then a reader needs chunk 2: no buffer is free.
+        got = await cache.read("k", etag, len(data), 0, 0, CS // 2, source=peer, keep=False)
+        assert bytes(got) == data[:CS // 2]
+        assert bytes(await cache.read("k", etag, len(data), 1, 0, 10)) == data[CS:CS + 10]
+        with trio.fail_after(5):
+            while cache.cached("k", etag, 1) is None:
+                await trio.sleep(0.01)
+        assert bytes(await cache.read("k", etag, len(data), 2, 0, 10)) == \
+            data[2 * CS:2 * CS + 10]
+        # The rest of chunk 0 still comes from memory: the peer was asked for it once
+        # (one request a piece).
+        got = await cache.read("k", etag, len(data), 0, CS // 2, CS // 2, source=peer,
+                               keep=False)
+        assert bytes(got) == data[CS // 2:CS]
+        assert peer.fills.count(0) == PIECES, peer.fills
+        n.cancel_scope.cancel()
+    cache.flush_atimes()
