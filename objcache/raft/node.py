@@ -49,6 +49,7 @@ from typing import Any, Protocol
 import msgpack
 import trio
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+from pysyncobj.journal import FileJournal
 from pysyncobj.monotonic import monotonic
 
 from objcache.errors import NoQuorum
@@ -309,6 +310,86 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
     @property
     def encryptor(self) -> FrameSeal:  # what pysyncobj's transport seals frames with
         return self._seal
+
+    # -- the journal under a dump -------------------------------------------------------
+    #
+    # pysyncobj keeps its journal only when it starts with the two entries a dump ends
+    # with, and otherwise empties it for the dump's two, losing every entry after them.
+    # Two ways that lost entries this member had acknowledged (the Raft stress test,
+    # kill -9 with a compaction every 150 entries: "raftCommitIndex (743) exceeds journal
+    # end (739) after loading dump"):
+    # - a compaction replaces the dump, then on a later tick drops the journal's entries
+    #   it covers, by emptying the journal file and writing the rest back one by one: a
+    #   member killed between the two, or during the second, came back with a journal that
+    #   did not start at the dump's end, or held only the start of the rest;
+    # - a snapshot from the leader that ends inside this member's log (a restarted member
+    #   the leader took to be further behind) replaced the whole log, where Raft keeps the
+    #   entries that follow the snapshot when the log holds its last entry.
+    # Here the rest of a compacted journal goes to a new file that replaces the journal
+    # at once, and a journal that holds a dump's last two entries past its start is cut to
+    # start at them, so pysyncobj keeps what follows.
+
+    def _SyncObj__deleteEntriesTo(self, to_index: int) -> None:
+        log_ = self._SyncObj__raftLog  # type: ignore[attr-defined]
+        path = self._SyncObj__conf.journalFile  # type: ignore[attr-defined]
+        if not isinstance(log_, FileJournal) or not path or not len(log_):
+            SyncObj._SyncObj__deleteEntriesTo(self, to_index)  # type: ignore[attr-defined]
+            return
+        skip = to_index - log_[0][1]
+        if skip <= 0:
+            return
+        rest = [log_[i] for i in range(skip, len(log_))]
+        tmp = f"{path}.compacting"
+        for stale in (tmp, f"{tmp}.meta"):
+            if os.path.exists(stale):
+                os.unlink(stale)
+        new = FileJournal(tmp)
+        for entry in rest:
+            new.add(*entry)
+        new.flush()
+        new._destroy()  # (closes it; nothing is deleted)
+        log_.onOneSecondTimer()  # its commit index, if not stored yet
+        log_._destroy()
+        os.replace(tmp, path)
+        self._SyncObj__raftLog = FileJournal(path)  # type: ignore[attr-defined]
+
+    def _SyncObj__loadDumpFile(self, clearJournal: bool) -> None:
+        if self._journal_from_dump_end(clearJournal):
+            clearJournal = False  # (a snapshot: the entries after it are kept)
+        SyncObj._SyncObj__loadDumpFile(self, clearJournal)  # type: ignore[attr-defined]
+
+    def _journal_from_dump_end(self, snapshot: bool) -> bool:
+        """Whether the journal holds the two entries the dump ends with; cut to start at
+        them when they are past its start. `snapshot`: the dump is the leader's, just
+        received (else ours, on a restart)."""
+        log_ = self._SyncObj__raftLog  # type: ignore[attr-defined]
+        try:
+            data = self._SyncObj__serializer.deserialize()  # type: ignore[attr-defined]
+            before_last, last = tuple(data[2]), tuple(data[1])
+        except Exception:  # (pysyncobj's own load reports a dump it cannot read)
+            return False
+        if len(log_) < 2:
+            return False
+        at = before_last[1] - log_[0][1]
+        if not (0 <= at < len(log_) - 1 and tuple(log_[at]) == before_last
+                and tuple(log_[at + 1]) == last):
+            return False
+        committed = self._SyncObj__raftCommitIndex  # type: ignore[attr-defined]
+        if snapshot and committed <= last[1]:
+            return False  # nothing after it is known to be the leader's
+        if at or snapshot:
+            log.info("raft: %s ends at index %d, inside our log (%d-%d): the entries after "
+                     "it are kept%s", "the leader's snapshot" if snapshot else "our dump",
+                     last[1], log_[0][1], log_[len(log_) - 1][1],
+                     f" through the commit index {committed}" if snapshot else "")
+        if at:
+            self._SyncObj__deleteEntriesTo(before_last[1])
+        if snapshot:
+            # We then tell the leader our log's end as the index it matches from: only
+            # committed entries are sure to be its own (those after may be a deposed
+            # leader's, never committed).
+            SyncObj._SyncObj__deleteEntriesFrom(self, committed + 1)  # type: ignore[attr-defined]
+        return True
 
     def _SyncObj__tryLogCompaction(self) -> None:
         """pysyncobj's, timed: the dump it writes (useFork=False) holds this thread, so
