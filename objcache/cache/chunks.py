@@ -927,8 +927,8 @@ class ChunkCache:
                 elif keep and not recent.keep and self._nursery is not None:
                     # Read from memory and now worth keeping (a hot remote chunk): it goes
                     # to disk from the buffer, without fetching it again.
-                    log.debug("keeping chunk %d of %r read again (near-cache: %s)", idx, key,
-                              near)
+                    log.debug("chunk %d of %r: its download in memory is kept after all "
+                              "(near-cache: %s)", idx, key, near)
                     recent.keep, recent.near = True, near
                     self._landing.setdefault(cid, trio.Event())
                     self._nursery.start_soon(self._keep_later, recent)
