@@ -1046,23 +1046,21 @@ class ChunkCache:
             pass  # (gone meanwhile: the reader fetches it again)
 
     def _reclaim(self, read_only: bool) -> mmap.mmap | None:
-        """The buffer of the oldest kept download that no reader needs from memory any
-        more: read to its end, or its chunk on the cache disk (a later read is a cache
-        hit). Readahead (`read_only`) takes only those; a reader that waits takes the
-        oldest one otherwise. (Taking the oldest first took, under a slow reader, another
-        node's chunk that the reader was in the middle of, while chunks on the disk kept
-        their buffers: the rest of it came over the network again.)"""
-        oldest = None
-        for cid, f in self._recent.items():
-            if f.readers:
-                continue
-            if f.read_to >= f.size or cid in self._index:
-                return self._release_recent(cid, keep=True)
-            if oldest is None:
-                oldest = cid
-        if read_only or oldest is None:
-            return None
-        return self._release_recent(oldest, keep=True)
+        """The buffer of a kept download that no reader needs from memory: the oldest one
+        read to its end. Readahead (`read_only`) takes only that; a reader that waits
+        takes next the oldest whose chunk is on the cache disk (what is left of it is read
+        there), then the oldest. (Taking the oldest first took, under a slow reader,
+        another node's chunk that the reader was in the middle of, while chunks on the disk
+        kept their buffers: the rest of it came over the network again.)"""
+        free = [(cid, f) for cid, f in self._recent.items() if not f.readers]
+        for want in (lambda cid, f: f.read_to >= f.size,
+                     lambda cid, f: cid in self._index, lambda cid, f: True):
+            for cid, f in free:
+                if want(cid, f):
+                    return self._release_recent(cid, keep=True)
+            if read_only:
+                return None
+        return None
 
     def _release_recent(self, cid: ChunkId, keep: bool = False) -> mmap.mmap | None:
         f = self._recent.pop(cid)
