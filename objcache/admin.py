@@ -175,5 +175,5 @@ class ControlHandlers:
         if op == "unpin":
             total, kept = self.pins.unpin(prefix), 0
         else:
-            total, kept = self.pins.evict(prefix)
+            total, kept = await self.pins.evict(prefix)
         return await self._everywhere(op, prefix, {"bytes": total, "pinned_kept": kept})

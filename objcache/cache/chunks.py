@@ -1371,6 +1371,14 @@ class ChunkCache:
 
     # -- by path ---------------------------------------------------------------------------
 
+    async def landed_under(self, prefix: str, patience: float) -> None:
+        """Until the chunks of `prefix` (or under it) on their way to the disk are there
+        (`patience` seconds at most): an eviction right after a read drops them too."""
+        with trio.move_on_after(patience):
+            for cid, ev in list(self._landing.items()):
+                if not prefix or cid[0] == prefix or cid[0].startswith(prefix + "/"):
+                    await ev.wait()
+
     def under(self, prefix: str) -> Iterator[Chunk]:
         """Chunks of `prefix` itself or anything under it ('' = everything)."""
         keys = [k for k in self._by_key if not prefix or k == prefix

@@ -16,6 +16,7 @@ from objcache.errors import ObjcacheError
 
 ChunkRef = tuple[str, str, int, int]  # (key, etag, object size, index): enough to fetch it
 PARALLEL = 16
+EVICT_LANDING_WAIT = 5.0  # seconds an eviction waits for chunks being written
 CACHED, FETCHED = "cached", "fetched"
 
 
@@ -66,8 +67,11 @@ class Pins:
                 total += ch.size
         return total
 
-    def evict(self, prefix: str) -> tuple[int, int]:
-        """Drop unpinned chunks under `prefix`; returns (bytes dropped, pinned bytes kept)."""
+    async def evict(self, prefix: str) -> tuple[int, int]:
+        """Drop unpinned chunks under `prefix`, those on their way to the disk too (a read
+        just before: they landed after the eviction, and the next open was passed
+        through to them); returns (bytes dropped, pinned bytes kept)."""
+        await self.cache.landed_under(prefix, EVICT_LANDING_WAIT)
         dropped = kept = 0
         for ch in list(self.cache.under(prefix)):
             if ch.pinned:

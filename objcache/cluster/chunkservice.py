@@ -95,7 +95,7 @@ class ChunkService:
         return {"bytes": self.pins.unpin(field_str(msg, "prefix"))}, None
 
     async def _evict(self, peer: str, msg: dict[str, Any]) -> Reply:
-        dropped, kept = self.pins.evict(field_str(msg, "prefix"))
+        dropped, kept = await self.pins.evict(field_str(msg, "prefix"))
         return {"bytes": dropped, "pinned_kept": kept}, None
 
     async def _verify(self, peer: str, msg: dict[str, Any]) -> Reply:

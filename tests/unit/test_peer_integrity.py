@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import trio
+
 from objcache.cache.chunks import VERIFY_BLOCK
 from tests.helpers.inproc import FaultyStore, Posix, cluster
 from tests.helpers.memstore import MemoryStore
@@ -20,6 +22,12 @@ async def test_bytes_from_a_faulty_owner_are_refetched_from_s3(tmp_path: Path) -
     store.inner.put("model.bin", data)
     async with cluster(store, tmp_path, 2) as (a, b):
         assert await Posix(b.fs).read("/model.bin") == data  # b holds its chunks
+        # ... once they are on its disk: before, b sends a chunk's sums computed from the
+        # bytes it sends (nothing to check them against), and the bytes flipped below
+        # passed (CI, and 6 runs of 15 here).
+        with trio.fail_after(10):
+            while b.cache.chunks_landing():
+                await trio.sleep(0.01)
         real = b.router.serve
 
         async def flipping(*args, **kw):  # type: ignore[no-untyped-def]
