@@ -396,3 +396,36 @@ async def test_a_reader_takes_the_buffer_of_a_chunk_on_disk_before_one_half_read
         assert peer.fills.count(0) == PIECES, peer.fills
         n.cancel_scope.cancel()
     cache.flush_atimes()
+
+
+async def test_an_eviction_right_after_a_read_drops_the_chunk_still_landing(tmp_path):  # type: ignore
+    """`objcache evict` just after a read: the chunk the read fetched may still be on its
+    way to the cache disk; the eviction waits for it and drops it too (before, it landed
+    after the eviction, and the next open was passed through to it: CI)."""
+    store = MemoryStore()
+    data = os.urandom(CS)
+    etag = store.put("k", data)
+    async with running(tmp_path, store) as (_, chunks, _):
+        cache = chunks.cache
+        gate = trio.Event()
+        real = cache._keep
+
+        async def slow_keep(fetch):  # type: ignore[no-untyped-def]
+            await gate.wait()  # the write to the cache disk is held back
+            return await real(fetch)
+
+        cache._keep = slow_keep  # type: ignore[method-assign]
+        assert bytes(await chunks.read("k", etag, CS, 0, CS)) == data
+        assert (cache.chunk_count(), cache.chunks_landing()) == (0, 1)
+        async with trio.open_nursery() as n:
+            n.start_soon(_later, gate)
+            with trio.fail_after(5):
+                dropped, kept = await Pins(cache).evict("k")
+        assert (dropped, kept) == (CS, 0)
+        assert (cache.chunk_count(), cache.chunks_landing()) == (0, 0)
+        assert cache.cached("k", etag, 0) is None
+
+
+async def _later(ev: trio.Event) -> None:
+    await trio.sleep(0.2)
+    ev.set()
