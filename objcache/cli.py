@@ -67,7 +67,8 @@ _MOUNT_FLAGS: list[tuple[str, dict[str, Any]]] = [
                             "60)"}),
     ("--metrics-addr", {"metavar": "HOST:PORT", "help": "serve Prometheus metrics at "
                         "http://HOST:PORT/metrics"}),
-    ("--log-level", {"metavar": "LEVEL", "help": "debug, info, warning or error"}),
+    ("--log-level", {"metavar": "LEVEL", "help": "debug, info, warning or "
+                     "error; then LOGGER=LEVEL pairs, e.g. info,objcache.txn.flusher=debug"}),
     ("--log-file", {"metavar": "FILE", "help": "log here (default: stderr in the "
                     "foreground, CACHE_DIR/objcache.log otherwise)"}),
 ]

@@ -28,6 +28,23 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def parse_log_level(spec: str) -> tuple[str, dict[str, str]]:
+    """'info' or 'info,objcache.txn.flusher=debug': the root level, then a level for each
+    named logger (and the loggers below it). UserError on anything else."""
+    parts = [p.strip() for p in str(spec).split(",")]
+    root, named = parts[0].lower(), {}
+    for part in parts[1:]:
+        name, eq, level = part.partition("=")
+        if not eq or not name.strip() or level.strip().lower() not in LOG_LEVELS:
+            raise UserError(f"invalid log-level {spec!r}: after the first level, expected "
+                            "LOGGER=LEVEL, e.g. info,objcache.txn.flusher=debug")
+        named[name.strip()] = level.strip().lower()
+    if root not in LOG_LEVELS:
+        raise UserError(f"invalid log-level {spec!r}: expected one of "
+                        + ", ".join(LOG_LEVELS) + ", then optional LOGGER=LEVEL pairs")
+    return root, named
+
+
 def parse_size(text: str | int, what: str = "size") -> int:
     """Parse '16M', '16MiB', '1.5G', '4096' (binary units) into bytes."""
     if isinstance(text, int) and not isinstance(text, bool):
@@ -131,9 +148,7 @@ class MountConfig:
         if self.cache_size < 2 * self.chunk_size:
             raise UserError(f"cache-size {self.cache_size} is too small: it must hold at least "
                             f"two chunks ({2 * self.chunk_size} bytes)")
-        if self.log_level.lower() not in LOG_LEVELS:
-            raise UserError(f"invalid log-level {self.log_level!r}: expected one of "
-                            + ", ".join(LOG_LEVELS))
+        parse_log_level(self.log_level)
         if not 1 <= self.s3_concurrency <= 256:
             raise UserError("invalid s3-concurrency: expected 1..256")
         if self.listen is None:

@@ -43,7 +43,7 @@ from objcache.cluster.chunkservice import ChunkService
 from objcache.cluster.metashare import SharedObjectMeta
 from objcache.cluster.node import ClusterNode, bind_listener, load_secret, raft_address
 from objcache.cluster.peers import PeerServer, Routes
-from objcache.config import MountConfig, startup_warnings
+from objcache.config import MountConfig, parse_log_level, startup_warnings
 from objcache.control import ControlChannel
 from objcache.core.filesystem import Filesystem
 from objcache.core.passthrough import Passthrough
@@ -74,12 +74,16 @@ def setup_logging(level: str, log_file: str | None) -> None:
     handler.setFormatter(logging.Formatter(
         "%(asctime)s.%(msecs)03d %(process)d %(levelname)s %(name)s: %(message)s",
         "%Y-%m-%d %H:%M:%S"))
+    root_level, named = parse_log_level(level)
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(root_level.upper())
     # botocore at DEBUG prints request headers (signatures, tokens): never let it.
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for name, lvl in named.items():
+        if name.split(".")[0] not in ("botocore", "boto3", "urllib3", "s3transfer"):
+            logging.getLogger(name).setLevel(lvl.upper())
 
 
 def is_mountpoint_busy(path: str) -> bool:

@@ -206,6 +206,10 @@ class ClusterFlusher:
         res = await self.txn.submit({"op": "ns.claim", "key": key, "ver": e.ver,
                                      "node": self.txn.node_id, "at": time.time(),
                                      "lease": self.lease}, background=True)
+        # (what each claim got, and how far this node had applied the log then: how an
+        # object came to be in S3 under a key the log says is gone is read from these)
+        log.debug("claim of %r at ver %d: %s (applied through %d)", key, e.ver, res,
+                  self.txn.state.applied)
         if not res.get("ok"):
             raise Busy("the entry changed since" if res.get("stale")
                        else f"{res.get('by')} is writing it")
@@ -263,6 +267,8 @@ class ClusterFlusher:
                 etag = await self.store.put_bytes(key, b"", meta)
         res = await self.txn.submit({"op": "ns.clean", "key": key, "ver": e.ver,
                                      "etag": etag, "node": self.txn.node_id}, background=True)
+        log.debug("clean of %r at ver %d (%s in S3): %s", key, e.ver,
+                  "deleted" if isinstance(e, Tombstone) else f"etag {etag}", res)
         self._claimed.discard(key)
         if res.get("ok"):
             self.uploaded += 1

@@ -2,7 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from objcache.config import MountConfig, parse_duration, parse_size, parse_source, set_option
+from objcache.config import (
+    MountConfig,
+    parse_duration,
+    parse_log_level,
+    parse_size,
+    parse_source,
+    set_option,
+)
 from objcache.errors import UserError
 
 
@@ -24,6 +31,18 @@ def test_durations_and_source():  # type: ignore
     assert parse_source("s3://b/some/prefix/") == ("b", "some/prefix")
     with pytest.raises(UserError):
         parse_source("b/x")
+
+
+def test_log_levels_for_single_modules():  # type: ignore
+    assert parse_log_level("INFO") == ("info", {})
+    assert parse_log_level("warning, objcache.txn.flusher=debug,objcache.raft=ERROR") == (
+        "warning", {"objcache.txn.flusher": "debug", "objcache.raft": "error"})
+    for bad in ("loud", "info,objcache.txn", "info,=debug", "info,objcache=loud", ""):
+        with pytest.raises(UserError, match="invalid log-level"):
+            parse_log_level(bad)
+    cfg = MountConfig(bucket="b", log_level="info,objcache.cluster")
+    with pytest.raises(UserError, match="LOGGER=LEVEL"):
+        cfg.validate()
 
 
 def test_set_option_and_validate():  # type: ignore
