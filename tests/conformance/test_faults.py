@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from objcache.cache.quarantine import Quarantine
 from objcache.entries import FlushScope
 from objcache.errors import ObjcacheError, StoreError
 from tests.conformance.conftest import Env
@@ -160,6 +161,24 @@ async def test_a_key_s3_refuses_for_good_is_quarantined_and_flush_finishes(
         await env.a.fs.flush_scope(FlushScope.everything())  # nothing dirty is left
     assert env.a.fs.backend.stats().quarantined == 1
     assert env.a.fs.backend.stats().dirty_files == 0
+
+
+async def test_a_flush_fails_for_a_file_it_quarantined_while_the_note_was_being_written(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quarantine drops the entry before it writes its note (an fsync): a flush that
+    saw nothing dirty meanwhile returned as if the refused file had gone up (a clean-clone
+    CI run with the disk busy)."""
+    write_note = Quarantine._note
+
+    def slow_note(*args: object) -> None:
+        time.sleep(0.5)  # (on the quarantine's thread) a disk busy with others' fsyncs
+        write_note(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Quarantine, "_note", staticmethod(slow_note))
+    env.store.refuse("bad.bin")
+    await env.a.write("bad.bin", b"refused")
+    with trio.fail_after(30), pytest.raises(StoreError, match="'bad.bin'"):
+        await env.a.fs.flush_scope(FlushScope.everything())
 
 
 @pytest.mark.parametrize("kind", ["local", "replicated"])
