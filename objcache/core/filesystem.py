@@ -980,6 +980,14 @@ class Filesystem:
             mine.remove(arrived)
             if not mine:
                 del self._arrived[d.ino]
+        if d.detached:
+            # Moved or removed by a change applied while the LIST ran (another node's
+            # rename detaches the directory here): what was listed under its old name is
+            # not its content, and an empty listing of it was shown (a clean-clone CI
+            # run: `ls y` empty while another node renamed y back and forth).
+            raise NotFound(f"directory {prefix!r} was moved or removed while it was listed")
+        if d.key != prefix.rstrip("/"):  # renamed here meanwhile: list it where it is now
+            return await self._list(d, force=True)
         for name, ino in arrived.items():
             children.setdefault(name, ino)
         for name, ino in (d.children or {}).items():

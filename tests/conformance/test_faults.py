@@ -248,6 +248,36 @@ async def test_a_listing_shows_a_file_whose_write_back_finished_while_it_ran(env
     assert await env.b.read("d/f") == b"acknowledged"
 
 
+async def test_a_directory_renamed_while_it_is_listed_is_never_listed_empty(env: Env
+                                                                          ) -> None:
+    """A renames "d" while B's listing of it waits for the LIST: B shows the whole
+    directory or no directory, never an empty one (B's inode for "d" is detached when A's
+    rename applies, and the listing under the old name found nothing)."""
+    await env.a.mkdir("d")
+    for i in range(5):
+        await env.a.write(f"d/f{i}", b"x")
+    await env.settle()
+    await env.b.ino("d")  # B knows the directory, not yet its listing
+
+    env.store.lag("list", 0.5)
+    shown: list[list[str] | int] = []
+
+    async def lister() -> None:
+        try:
+            shown.append(sorted(await env.b.listdir("d")))
+        except ObjcacheError as e:
+            shown.append(e.errno)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(lister)
+        await trio.sleep(0.1)
+        await env.a.rename("d", "e")
+        await env.settle()
+    assert shown in ([[f"f{i}" for i in range(5)]], [errno.ENOENT]), shown
+    assert sorted(await env.b.listdir("e")) == [f"f{i}" for i in range(5)]
+    assert not await env.b.exists("d")
+
+
 async def test_a_listing_hides_a_file_deleted_while_it_ran(env: Env) -> None:
     """The other way round: an object deleted from S3 while the LIST's answer travelled
     (its tombstone gone with it) is not shown, then or later."""
