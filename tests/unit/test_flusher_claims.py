@@ -33,6 +33,7 @@ class State:
     def __init__(self, ns: Ns) -> None:
         self.lock = threading.Lock()
         self.ns = ns
+        self.applied = 0
 
 
 class Txn:
