@@ -169,7 +169,8 @@ class Learner:
                     got = await self.client.call(
                         src, {"op": "raft_feed", "after": self.applied, "group": self.group,
                               "wait": FEED_WAIT, "linger": linger},
-                        max_data=MAX_FEED_DATA, timeout=FEED_WAIT + LINGER + 10)
+                        max_data=MAX_FEED_DATA, timeout=FEED_WAIT + LINGER + 10,
+                        long_poll=True)
                 finally:
                     self._lingering = None
                 if self.stopped:

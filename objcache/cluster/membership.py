@@ -145,7 +145,8 @@ class Membership:
     def __init__(self, me: Member, seeds: list[str], pool: PeerPool, timeout: float,
                  used: Callable[[], int],
                  on_suspect: Callable[[str], None] = _nobody,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 overdue: Callable[[], list[str]] = list) -> None:
         self.me = me
         self.clock = clock  # seconds, monotonic (tests run the protocol on trio's clock)
         self.seeds = [s for s in seeds if s != me.addr]
@@ -166,6 +167,8 @@ class Membership:
         self.joined_at = 0.0  # when we joined an existing cluster (0: we formed ours)
         self._without_me: tuple[Ring, Ring] | None = None
         self.on_suspect = on_suspect
+        self.overdue = overdue  # members a request has waited on too long: probed first
+        self._checked: dict[str, float] = {}  # when each was last probed for that
         self._updates: dict[str, _Update] = {}  # node id -> the latest news of it to spread
         self._order: list[str] = []  # probe order (shuffled round-robin)
         self._urgent: list[str] = []  # members to probe first (a request to them failed)
@@ -588,6 +591,7 @@ class Membership:
             while True:
                 await trio.sleep(self.interval)
                 rounds += 1
+                self._check_overdue()
                 m = self._next_target()
                 if m is not None and m.addr not in busy:
                     busy.add(m.addr)
@@ -604,6 +608,20 @@ class Membership:
                 if now - last_seed_try > SEED_RETRY_SECONDS:
                     last_seed_try = now
                     nursery.start_soon(self._retry_seeds, busy)
+
+    def _check_overdue(self) -> None:
+        """Members a request waits on past its time are probed next (once per half of the
+        timeout each, so a slow answer costs a ping or two, not one every period)."""
+        now = self.clock()
+        for node in self.overdue():
+            if (node in self.suspects or node in self._urgent
+                    or now - self._checked.get(node, -math.inf) < self.timeout / 2):
+                continue
+            self._checked[node] = now
+            self._urgent.append(node)
+        if len(self._checked) > 4 * len(self.members) + 64:
+            self._checked = {n: t for n, t in self._checked.items()
+                             if now - t < self.timeout}
 
     def _settle(self) -> None:
         """Suspects that did not refute within half the timeout are dead; dead members

@@ -120,7 +120,8 @@ class ClusterNode:
         seeds += [a for a in remembered_peers(self._peers_file) if a not in seeds]
         me = Member(self.node_id, cfg.listen, cfg.cache_size, time.time_ns(), raft=raft_addr)
         self.membership = Membership(me, seeds, self.pool, cfg.peer_timeout,
-                                     used=lambda: cache.used, on_suspect=inflight.cancel)
+                                     used=lambda: cache.used, on_suspect=inflight.cancel,
+                                     overdue=inflight.overdue)
         self.client = PeerClient(self.membership, self.pool, inflight)
         self.placement = ChunkPlacement(self.membership, self.client, chunk_size,
                                         self.request_timeout)

@@ -236,3 +236,36 @@ async def test_a_member_others_reach_but_this_node_does_not_is_routed_around_her
         back = await until(lambda: b.me.id not in a.suspects, 30, step=0.1)
         nursery.cancel_scope.cancel()
     assert back < 3 * a.interval, back
+
+
+@pytest.mark.parametrize("waiting", [True, False])
+async def test_a_member_a_request_waits_on_is_probed_out_of_turn(autojump_clock: Any,
+                                                                 waiting: bool) -> None:
+    """A node cut off from every other one hears no news: it finds each silent member by
+    its own probes, one a period, in its own order. A request waiting on a member that
+    is last in that order made it wait that many periods (partition campaign seed 5919: a
+    READ waited 6.7 s on a holder with a 3 s --peer-timeout). A request that has waited
+    half of --peer-timeout has its member probed next: suspected (and the request given
+    up) within about --peer-timeout. (waiting=False: the same member, found in turn.)"""
+    net = Net()
+    waits: list[str] = []
+    async with trio.open_nursery() as nursery:
+        nodes = await start(net, nursery, 24)
+        a = nodes[0]
+        await until(lambda: all(alive_view(m) == set(net.nodes) for m in nodes), 60)
+        for m in nodes[1:]:  # a is cut off from everyone, both ways
+            net.lost |= {(a.me.id, m.me.id), (m.me.id, a.me.id)}
+        # (the member a would probe last, with its order begun afresh)
+        a._order = [m.me.id for m in nodes[1:]]
+        random.shuffle(a._order)
+        victim = a._order[0]
+        t0 = trio.current_time()
+        if waiting:
+            waits.append(victim)  # a request to it began now
+            a.overdue = lambda: waits if trio.current_time() - t0 >= TIMEOUT / 2 else []
+        took = await until(lambda: victim in a.suspects, 60, step=0.1)
+        nursery.cancel_scope.cancel()
+    if waiting:
+        assert took <= TIMEOUT + 1.5, took
+    else:
+        assert took >= 10, took  # (what the test shows the other way: in its turn)
