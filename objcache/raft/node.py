@@ -95,6 +95,12 @@ DUMP_LOGGED = 0.02  # a compaction that held the Raft thread this long is logged
 BATCH_BYTES = 4 << 20  # one log entry carries at most this much of a batch...
 BATCH_COMMANDS = 256  # ...and this many commands
 BATCHES_IN_FLIGHT = 2
+# A batch waits this long at most for a leader (about an election: pysyncobj's timeouts
+# are 0.4-1.4 s), then fails, and its commands are sent again by their submitters: a
+# learner's, through another voter. A voter cut off from the leader by a bridged
+# partition held a learner's close for its whole 5 s, while the other voters, which the
+# learner reached, committed (partition seed 5926: EIO with every node reachable).
+LEADERLESS_BATCH = 2.0
 ANSWER_GRACE = 2.0  # a command sent to a leader gets this long past its timeout to answer
 PROMISE_WAIT = 0.5  # pysyncobj's thread ends its tick within this after a promise, or no
 PROMISE_SLACK = 0.05  # a voter's promise began after ours by a question's flight, about
@@ -585,14 +591,18 @@ class RaftNode:
     def state(self) -> Any:
         return self._replica.state  # a loaded dump replaces the object: never keep it
 
-    async def _call(self, what: str, start: Any, timeout: float) -> Any:
+    async def _call(self, what: str, start: Any, timeout: float,
+                    leaderless: float = math.inf) -> Any:
         """Run a pysyncobj call that reports through callback(result, error) and wait for
         it from trio; NoQuorum if it fails or does not answer within `timeout`. While
-        there is no leader (or ours is not connected) it is tried again every 50 ms.
-        NoQuorum.maybe_sent says whether an attempt may have reached a leader's log."""
+        there is no leader (or ours is not connected) it is tried again every 50 ms, for
+        `leaderless` seconds at most. NoQuorum.maybe_sent says whether an attempt may have
+        reached a leader's log."""
         token = trio.lowlevel.current_trio_token()
-        retry_until = trio.current_time() + timeout  # (an unsent command: no later)
+        now = trio.current_time()
+        retry_until = now + timeout  # (an unsent command: no later)
         deadline = retry_until + ANSWER_GRACE  # (the answer to one that was sent)
+        leaderless_until = min(retry_until, now + leaderless)
         sent = False
         while True:
             if self._stopped:
@@ -632,7 +642,8 @@ class RaftNode:
                     e = NoQuorum(f"raft {what} failed: {_reason(error)}")
                     e.maybe_sent = True
                     raise e
-            if error != FAIL_REASON.MISSING_LEADER or trio.current_time() + 0.05 > retry_until:
+            if (error != FAIL_REASON.MISSING_LEADER
+                    or trio.current_time() + 0.05 > leaderless_until):
                 e = NoQuorum(f"raft {what} failed: {_reason(error)}")
                 e.maybe_sent = sent and error not in _NOT_SENT
                 raise e
@@ -668,7 +679,7 @@ class RaftNode:
         # One command travels as itself; several as an array of their packed bytes.
         blob = blobs[0] if len(blobs) == 1 else msgpack.packb(blobs, use_bin_type=True)
         got = await self._call(f"batch of {len(blobs)}", lambda cb: self._replica._apply(
-            blob, callback=cb), timeout)
+            blob, callback=cb), timeout, leaderless=LEADERLESS_BATCH)
         index, result = got
         return ([result] if len(blobs) == 1 else list(result)), int(index)
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from objcache.errors import NoQuorum
-from objcache.raft.node import RaftNode
+from objcache.raft.node import LEADERLESS_BATCH, RaftNode
 from tests.helpers.cluster import free_port
 from tests.helpers.raftlog import Log, submit_once_led
 
@@ -78,3 +78,22 @@ async def test_a_call_waiting_on_a_member_that_stops_fails_at_once(tmp_path: Pat
         assert e.value.maybe_sent  # (it may have reached a leader: its caller settles it)
     finally:
         node.destroy()
+
+
+async def test_a_batch_waits_for_a_leader_about_an_election_then_fails(tmp_path: Path
+                                                                     ) -> None:
+    """A voter with no leader fails a batch after LEADERLESS_BATCH, not at its timeout: a
+    learner's commands sent to a voter cut off from the leader then go to another voter
+    in time (seed 5926: the close waited its whole 5 s on the one voter without a leader,
+    and answered EIO while the other voters committed)."""
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    alone = RaftNode(addrs[0], addrs, tmp_path / "m0", "k" * 32, Log())
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(NoQuorum) as e:
+            await alone.submit({"name": "x"}, timeout=10.0)
+        took = time.monotonic() - t0
+        assert not e.value.maybe_sent
+        assert LEADERLESS_BATCH - 0.1 <= took < LEADERLESS_BATCH + 1.0, took
+    finally:
+        alone.destroy()
