@@ -316,6 +316,9 @@ class ClusterFlusher:
                     # drops the entry, then writes its note (an fsync) and only then
                     # counts it; returning now reported a refused file as flushed (a
                     # clean-clone CI run with the disk busy).
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise StoreError("a write-back in the flush's scope is still "
+                                         "running after the flush timeout")
                     await trio.sleep(0.02)
                     continue
                 if not todo and caught_up:
