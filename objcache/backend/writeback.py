@@ -160,7 +160,7 @@ class Writeback:
         fails, or, once everything else is up, naming what S3 refused and the flush
         quarantined."""
         done: set[int] = set()
-        seen = len(self.quarantine.recent)
+        seen = self.quarantine.count
         while True:
             todo = [lf for lf in self.local.dirty_files()
                     if scope.kind == "mine" or scope.covers(lf.key)]

@@ -37,13 +37,15 @@ class Quarantined:
     key: str
     path: str  # the bytes, in lost+found/
     error: str
+    seq: int = 0  # `Quarantine.count` once it was counted (later ones have higher)
 
 
 class Quarantine:
     """Attributes:
     dir: lost+found/ in the cache dir.
     count: files quarantined there (all time, as the directory shows).
-    recent: what this daemon quarantined, latest last (for flush replies and status).
+    recent: what this daemon quarantined, latest last (the last 100; for flush replies
+        and status).
     """
 
     def __init__(self, cache_dir: Path) -> None:
@@ -135,17 +137,18 @@ class Quarantine:
     def _kept(self, key: str, target: str, size: int, error: str) -> Quarantined:
         self.count += 1
         self._refusals.pop(key, None)
-        q = Quarantined(key, target, error)
+        q = Quarantined(key, target, error, self.count)
         self.recent = [*self.recent[-99:], q]
         log.error("S3 refused %r for good (%s): its %d bytes are in %s, not in S3",
                   key, error, size, target or "(no data)")
         return q
 
     def raise_if_refused(self, since: int, covers: Callable[[str], bool]) -> None:
-        """After a flush: StoreRefused naming what it quarantined (entries of `recent` from
-        index `since` on, in scope), so that the flush fails, but only after everything
-        else went up."""
-        refused = [q for q in self.recent[since:] if covers(q.key)]
+        """After a flush: StoreRefused naming what it quarantined (those counted after
+        `count` was `since`, in scope), so that the flush fails, but only after everything
+        else went up. (By count, not by place in `recent`: once that held its 100, a
+        flush's quarantine kept its length, and the flush passed.)"""
+        refused = [q for q in self.recent if q.seq > since and covers(q.key)]
         if not refused:
             return
         keys = ", ".join(repr(q.key) for q in refused[:10])

@@ -291,7 +291,7 @@ class ClusterFlusher:
         StoreError past the deadline."""
         flushed = 0
         added: set[str] = set()
-        seen = len(self.quarantine.recent)
+        seen = self.quarantine.count
         started = time.monotonic()
         behind_since: float | None = None
         try:
