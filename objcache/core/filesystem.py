@@ -75,6 +75,7 @@ NAME_MAX = 255  # what statfs reports as f_namemax
 MAX_OBJECT = 5 << 40  # S3's limit on an object
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+MAX_LIST_MOVES = 8  # renames here a listing follows before it gives up (ENOENT)
 # What a non-directory may be: the kernel opens FIFOs, sockets and devices itself (FUSE only
 # creates, stats, re-attributes, renames and removes them).
 SPECIAL_TYPES = (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)
@@ -962,7 +963,7 @@ class Filesystem:
 
     # -- directories ----------------------------------------------------------------------
 
-    async def _list(self, d: Inode, force: bool = False) -> dict[str, int]:
+    async def _list(self, d: Inode, force: bool = False, moves: int = 0) -> dict[str, int]:
         if d.children is not None and not force and self._fresh(d.listed):
             return d.children
         started = time.monotonic()
@@ -987,7 +988,9 @@ class Filesystem:
             # run: `ls y` empty while another node renamed y back and forth).
             raise NotFound(f"directory {prefix!r} was moved or removed while it was listed")
         if d.key != prefix.rstrip("/"):  # renamed here meanwhile: list it where it is now
-            return await self._list(d, force=True)
+            if moves >= MAX_LIST_MOVES:
+                raise NotFound(f"directory {d.key!r} kept moving while it was listed")
+            return await self._list(d, force=True, moves=moves + 1)
         for name, ino in arrived.items():
             children.setdefault(name, ino)
         for name, ino in (d.children or {}).items():
