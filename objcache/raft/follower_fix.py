@@ -61,8 +61,19 @@ feed a non-ticking member crafted messages):
    election after: a drained leader stood again while its successor's election failed,
    won the next term and left, and commits waited for a third election.
 
-Snapshot and chunked ("transmission") messages go to pysyncobj unchanged; objcache keeps
-commands out of the chunked path (appendEntriesBatchSizeBytes, objcache/raft/node.py).
+5. Snapshots: a leader sends its dump in parts of 64 KiB and a last, empty one, each an
+   append_entries with the leader's commit index. For every part but the last,
+   pysyncobj then sets our commit index to the smaller of the leader's and our log's end,
+   without checking that our log matches the leader's at all: a deposed leader, back
+   from a partition with entries of its own term that were never committed, applied them
+   (and answered their submitters "done") while the leader's dump arrived. Seeds 5911 and
+   5949 of the partition nemesis: a write-back claim that the majority never committed
+   answered "ok", and its upload put back an object the log had renamed away. A part of
+   a snapshot here carries no commit index beyond ours; the loaded dump then counts as
+   committed (it holds only what the leader applied).
+
+Chunked ("transmission") messages go to pysyncobj unchanged; objcache keeps commands out
+of that path (appendEntriesBatchSizeBytes, objcache/raft/node.py).
 The names below are pysyncobj's private (name-mangled) methods: the pin on
 pysyncobj==0.3.17 in pyproject.toml is what makes overriding them safe.
 """
@@ -130,6 +141,11 @@ class FollowerFix:
         if (kind == "append_entries" and "prevLogIdx" in message
                 and message.get("transmission") is None):
             message = self._follow(message)
+        elif kind == "append_entries" and message.get("serialized") is not None:
+            # 5.: a part of a snapshot commits nothing of our log (the dump, once whole,
+            # counts as committed: `_SyncObj__loadDumpFile`)
+            message = dict(message, commit_index=min(
+                message["commit_index"], self._SyncObj__raftCommitIndex))  # type: ignore
         try:
             return SyncObj._SyncObj__onMessageReceived(self, node, message)  # type: ignore
         finally:

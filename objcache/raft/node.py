@@ -363,6 +363,12 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
         if self._journal_from_dump_end(clearJournal):
             clearJournal = False  # (a snapshot: the entries after it are kept)
         SyncObj._SyncObj__loadDumpFile(self, clearJournal)  # type: ignore[attr-defined]
+        # A dump holds only applied, so committed, entries: the commit index is at least
+        # its end (a leader's snapshot no longer raises it part by part: FollowerFix, 5.)
+        applied = self._SyncObj__raftLastApplied  # type: ignore[attr-defined]
+        if self._SyncObj__raftCommitIndex < applied:  # type: ignore[attr-defined]
+            self._SyncObj__raftCommitIndex = applied
+            self._SyncObj__raftLog.setRaftCommitIndex(applied)  # type: ignore[attr-defined]
 
     def _journal_from_dump_end(self, snapshot: bool) -> bool:
         """Whether the journal holds the two entries the dump ends with; cut to start at

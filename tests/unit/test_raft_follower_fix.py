@@ -96,6 +96,20 @@ def test_unverified_tail_is_neither_acknowledged_nor_committed(follower: Followe
     assert follower.log() == [(i, 1) for i in range(2, 6)]
 
 
+def test_a_part_of_a_snapshot_commits_nothing_of_our_log(follower: Follower) -> None:
+    """A deposed leader back from a partition (its entries 4-6 of term 2 never committed)
+    is sent the new leader's dump in parts: pysyncobj set its commit index to its own
+    log's end at the first part, and it applied its uncommitted entries (seeds 5911 and
+    5949: a write-back claim answered "ok" that the majority never had)."""
+    follower.load([1, 1, 2, 2, 2], commit=3, term=2)
+    follower.sent.clear()
+    follower.replica._SyncObj__onMessageReceived(follower.leader, {
+        "type": "append_entries", "term": 3, "commit_index": 50,
+        "serialized": (b"the first 64 KiB of the dump", True, False)})
+    assert follower.commit == 3
+    assert follower.log() == [(2, 1), (3, 1), (4, 2), (5, 2), (6, 2)]
+
+
 def test_leaders_own_term_tail_is_acknowledged(follower: Follower) -> None:
     follower.load([1, 2, 2, 2], commit=1, term=2)
     reply = follower.append(2, (2, 1), [(3, 2)], commit=50)
