@@ -4,12 +4,14 @@ never returned to the reader."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
 import trio
 
 from objcache.cache.chunks import VERIFY_BLOCK
+from objcache.cluster.ring import chunk_point
 from tests.helpers.inproc import FaultyStore, Posix, cluster
 from tests.helpers.memstore import MemoryStore
 
@@ -18,9 +20,19 @@ MiB = 1 << 20
 
 async def test_bytes_from_a_faulty_owner_are_refetched_from_s3(tmp_path: Path) -> None:
     store = FaultyStore(MemoryStore())
-    data = os.urandom(8 * MiB)  # eight 1 MiB chunks: both members own some
-    store.inner.put("model.bin", data)
     async with cluster(store, tmp_path, 2) as (a, b):
+        # Eight 1 MiB chunks that both members own some of. With random bytes (so a random
+        # ETag) b owned none in about one run of 110 (the ring gives b 43% of the points):
+        # a clean-clone CI run failed `owned_by_b > 0`.
+        ring = a.router.placement.membership.ring
+        for _ in range(50):
+            data = os.urandom(8 * MiB)
+            etag = '"' + hashlib.md5(data).hexdigest() + '"'
+            owners = [ring.owner(chunk_point("model.bin", etag, i)) for i in range(8)]
+            if "n0" in owners and "n1" in owners:
+                break
+        assert "n0" in owners and "n1" in owners, ring.members
+        store.inner.put("model.bin", data)
         assert await Posix(b.fs).read("/model.bin") == data  # b holds its chunks
         # ... once they are on its disk: before, b sends a chunk's sums computed from the
         # bytes it sends (nothing to check them against), and the bytes flipped below
