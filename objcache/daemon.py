@@ -68,6 +68,9 @@ from objcache.txn.state import ClusterState
 log = logging.getLogger(__name__)
 
 
+_SECRET_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
+
+
 def setup_logging(level: str, log_file: str | None) -> None:
     handler: logging.Handler = (logging.FileHandler(log_file) if log_file
                                 else logging.StreamHandler(sys.stderr))
@@ -78,11 +81,12 @@ def setup_logging(level: str, log_file: str | None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(root_level.upper())
-    # botocore at DEBUG prints request headers (signatures, tokens): never let it.
-    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
+    # botocore at DEBUG prints request headers (signatures, tokens): never let it, not
+    # even when a level is named for it.
+    for noisy in _SECRET_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     for name, lvl in named.items():
-        if name.split(".")[0] not in ("botocore", "boto3", "urllib3", "s3transfer"):
+        if name.split(".")[0] not in _SECRET_LOGGERS:
             logging.getLogger(name).setLevel(lvl.upper())
 
 
