@@ -292,6 +292,10 @@ class ClusterFlusher:
         flushed = 0
         added: set[str] = set()
         seen = self.quarantine.count
+
+        def in_scope(key: str) -> bool:  # (what this node did: every key it wrote back)
+            return scope.kind == "mine" or scope.covers(key)
+
         started = time.monotonic()
         behind_since: float | None = None
         try:
@@ -310,8 +314,7 @@ class ClusterFlusher:
                     raise NoQuorum(f"{len(todo)} entries are dirty here, and this node has "
                                    f"not caught up with the cluster's log for "
                                    f"{self.txn.timeout:.0f}s (too few members up?)")
-                if not todo and caught_up and any(
-                        scope.kind == "mine" or scope.covers(k) for k in self._running):
+                if not todo and caught_up and any(in_scope(k) for k in self._running):
                     # A write-back still running whose entry is gone already: a quarantine
                     # drops the entry, then writes its note (an fsync) and only then
                     # counts it; returning now reported a refused file as flushed (a
@@ -322,8 +325,7 @@ class ClusterFlusher:
                     await trio.sleep(0.02)
                     continue
                 if not todo and caught_up:
-                    self.quarantine.raise_if_refused(
-                        seen, lambda k: scope.kind == "mine" or scope.covers(k))
+                    self.quarantine.raise_if_refused(seen, in_scope)
                     return flushed
                 if not todo:
                     await trio.sleep(0.2)
