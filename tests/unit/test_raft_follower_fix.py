@@ -110,6 +110,36 @@ def test_a_part_of_a_snapshot_commits_nothing_of_our_log(follower: Follower) -> 
     assert follower.log() == [(2, 1), (3, 1), (4, 2), (5, 2), (6, 2)]
 
 
+def test_a_whole_snapshot_counts_as_committed_through_its_end(tmp_path: Path) -> None:
+    """The other half of rule 5: with its parts capped, the loaded dump itself raises the
+    commit index to the dump's end (it holds only what the leader applied). Left at the
+    deposed leader's old commit index, it would count less committed than it applied."""
+    leader = Follower(tmp_path / "leader")
+    deposed = Follower(tmp_path / "deposed")
+    try:
+        lr = leader.replica
+        leader.load([1, 1, 3, 3], commit=5, term=3)  # 2..5 applied by the term-3 leader
+        lr._SyncObj__forceLogCompaction = True
+        lr._SyncObj__tryLogCompaction()  # (in memory: the dump is made at once...)
+        lr._SyncObj__tryLogCompaction()  # (...and sent once the next tick has seen it)
+        deposed.load([1, 1, 2, 2, 2], commit=3, term=2)  # 4..6 of term 2 never committed
+        part = None
+        while part is None or not part[2]:
+            part = lr._SyncObj__serializer.getTransmissionData(deposed.leader)
+            assert part
+            deposed.replica._SyncObj__onMessageReceived(deposed.leader, {
+                "type": "append_entries", "term": 3, "commit_index": 5,
+                "serialized": part})
+            if not part[2]:
+                assert deposed.commit == 3  # (the first half of rule 5)
+        r = deposed.replica
+        assert deposed.log() == [(5, 3)]  # the dump's last two entries: 4 and 5 of term 3
+        assert deposed.commit == 5 and r._SyncObj__raftLastApplied == 5
+    finally:
+        leader.replica.destroy()
+        deposed.replica.destroy()
+
+
 def test_leaders_own_term_tail_is_acknowledged(follower: Follower) -> None:
     follower.load([1, 2, 2, 2], commit=1, term=2)
     reply = follower.append(2, (2, 1), [(3, 2)], commit=50)
