@@ -77,7 +77,8 @@ class ClusterFlusher:
         self.wake = trio.Event()
         self._running: set[str] = set()
         self._failed: dict[str, float] = {}
-        self._errors: dict[str, tuple[float, ObjcacheError]] = {}  # last failure, by key
+        # the last failure, by key: when its attempt began, and the error
+        self._errors: dict[str, tuple[float, ObjcacheError]] = {}
         self._urgent: set[str] | None = set()  # keys asked for now; None: everything
         self._claimed: set[str] = set()  # keys we hold a claim on and have not cleaned
         self.uploaded = 0
@@ -130,6 +131,7 @@ class ClusterFlusher:
                     await self.wake.wait()
 
     async def _one(self, key: str, e: Entry) -> None:
+        began = time.monotonic()
         try:
             async with self.uploads:
                 await self.upload(key, e)
@@ -150,7 +152,7 @@ class ClusterFlusher:
         except ObjcacheError as ex:
             self.failed += 1
             self._failed[key] = time.monotonic()
-            self._errors[key] = (time.monotonic(), ex)
+            self._errors[key] = (began, ex)
             log.warning("write-back of %r failed (it stays dirty, retried in %gs): %s",
                         key, self.retry_after, ex)
         except Exception:
@@ -338,8 +340,12 @@ class ClusterFlusher:
                 self._urgent -= added
 
     def _raise_failures(self, todo: list[tuple[str, Entry]], since: float) -> None:
-        """A write-back in scope that failed since `since` (after the store's own retry
-        budget) fails the flush; the entry stays dirty and is retried."""
+        """A write-back in scope begun since `since` (the flush's start) that failed
+        (after the store's own retry budget) fails the flush; the entry stays dirty and
+        is retried. One begun before is not the flush's: a claim submitted on a leader
+        cut off from its peers failed 2 s after the heal, inside a flush that had waited
+        for it and then failed for it (the partition nemesis, seed 5963); the flush
+        waits for its retry instead, up to its deadline."""
         failed = [(k, self._errors[k][1]) for k, _ in todo
                   if k in self._errors and self._errors[k][0] >= since]
         if failed:
