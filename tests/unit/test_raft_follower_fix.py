@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pysyncobj import FAIL_REASON
 from pysyncobj.monotonic import monotonic
 from pysyncobj.tcp_connection import CONNECTION_STATE
 from pysyncobj.transport import TCPTransport
@@ -113,7 +114,9 @@ def test_a_part_of_a_snapshot_commits_nothing_of_our_log(follower: Follower) -> 
 def test_a_whole_snapshot_counts_as_committed_through_its_end(tmp_path: Path) -> None:
     """The other half of rule 5: with its parts capped, the loaded dump itself raises the
     commit index to the dump's end (it holds only what the leader applied). Left at the
-    deposed leader's old commit index, it would count less committed than it applied."""
+    deposed leader's old commit index, it would count less committed than it applied. Our
+    commands in entries the dump covers are answered then (seed 5963: one waited for its
+    timeout)."""
     leader = Follower(tmp_path / "leader")
     deposed = Follower(tmp_path / "deposed")
     try:
@@ -123,6 +126,10 @@ def test_a_whole_snapshot_counts_as_committed_through_its_end(tmp_path: Path) ->
         lr._SyncObj__tryLogCompaction()  # (in memory: the dump is made at once...)
         lr._SyncObj__tryLogCompaction()  # (...and sent once the next tick has seen it)
         deposed.load([1, 1, 2, 2, 2], commit=3, term=2)  # 4..6 of term 2 never committed
+        answers: list[tuple[int, Any]] = []
+        for idx in (5, 6):  # our own commands, in entries 5 and 6 of term 2
+            deposed.replica._SyncObj__commandsWaitingCommit[idx].append(
+                (2, lambda result, error, idx=idx: answers.append((idx, error))))
         part = None
         while part is None or not part[2]:
             part = lr._SyncObj__serializer.getTransmissionData(deposed.leader)
@@ -135,6 +142,10 @@ def test_a_whole_snapshot_counts_as_committed_through_its_end(tmp_path: Path) ->
         r = deposed.replica
         assert deposed.log() == [(5, 3)]  # the dump's last two entries: 4 and 5 of term 3
         assert deposed.commit == 5 and r._SyncObj__raftLastApplied == 5
+        # Our command in entry 5 is answered now (the dump covers that index: nothing will
+        # be applied there again); the one in 6 when the leader's entry 6 is applied.
+        assert answers == [(5, FAIL_REASON.LEADER_CHANGED)]
+        assert list(r._SyncObj__commandsWaitingCommit) == [6]
     finally:
         leader.replica.destroy()
         deposed.replica.destroy()
