@@ -107,6 +107,9 @@ class FollowerFix:
     # 4.: (monotonic) no vote nor candidacy before this; set before SyncObj.__init__
     promise_until: float = 0.0
     _ticked: list[Callable[[], None]]  # 4.: called after the tick in progress
+    # (monotonic) when the leader we follow last sent us an append_entries: RaftNode takes
+    # one silent for LEADER_SILENT as unreachable
+    heard_leader_at: float = 0.0
     _ticked_lock: threading.Lock
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> Any:
@@ -150,6 +153,8 @@ class FollowerFix:
             return SyncObj._SyncObj__onMessageReceived(self, node, message)  # type: ignore
         finally:
             self._ack_limit = None
+            if kind == "append_entries" and self._SyncObj__raftLeader is node:  # type: ignore
+                self.heard_leader_at = monotonic()
             if self.joining and kind == "append_entries":
                 self._check_caught_up()
 

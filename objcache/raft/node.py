@@ -102,6 +102,11 @@ BATCHES_IN_FLIGHT = 2
 # learner reached, committed (partition seed 5926: EIO with every node reachable).
 LEADERLESS_BATCH = 2.0
 ANSWER_GRACE = 2.0  # a command sent to a leader gets this long past its timeout to answer
+# A follower that has heard nothing from its leader for this long (pysyncobj's longest
+# election timeout) has none it can reach: pysyncobj keeps the last leader of a member
+# connected to nobody, and links whose packets are dropped look connected for
+# connectionTimeout (3.5 s).
+LEADER_SILENT = 1.4
 PROMISE_WAIT = 0.5  # pysyncobj's thread ends its tick within this after a promise, or no
 PROMISE_SLACK = 0.05  # a voter's promise began after ours by a question's flight, about
 TRANSFER_TRIES = 1.0  # a leaving leader asks a follower to take over for this long...
@@ -640,11 +645,24 @@ class RaftNode:
                 # member that replaced it instead of waiting out the timeout. A voter the
                 # group removed, turned learner, held a flush's claim for its whole 5 s
                 # and failed the flush: the partition nemesis with learners, seed 4303)
+                # A command handed to a leader that is then gone (we stand for election,
+                # or it went silent) is answered by nobody: pysyncobj fails what it
+                # forwarded only when it learns of another leader. Given up then, as
+                # maybe in the log: its submitter sends it again (exactly once, by its
+                # transaction id), a learner's through another voter. Two such batches
+                # held a voter cut off by a bridged partition for their whole timeout,
+                # and the learner's close queued behind them answered EIO while every
+                # node was reachable (partition seed 5968).
+                led = self.leader_reachable()
                 while not done.is_set() and not self._stopped:
                     with trio.move_on_at(min(deadline, trio.current_time() + STOP_POLL)):
                         await done.wait()
-                    if trio.current_time() >= deadline:
+                    if trio.current_time() >= deadline or done.is_set():
                         break
+                    if led and not self.leader_reachable():
+                        e = NoQuorum(f"raft {what}: its leader was gone before it answered")
+                        e.maybe_sent = True
+                        raise e
                 if not done.is_set():
                     e = NoQuorum(f"raft {what}: this member stopped before it was answered"
                                  if self._stopped else
@@ -676,7 +694,8 @@ class RaftNode:
             return False
         if str(leader) == self.addr:
             return True
-        return st.get(f"{_PARTNER}{leader}") == _CONNECTED
+        return (st.get(f"{_PARTNER}{leader}") == _CONNECTED
+                and monotonic() - self._replica.heard_leader_at < LEADER_SILENT)
 
     async def submit(self, cmd: dict[str, Any], timeout: float = 10.0,
                      background: bool = False) -> Any:

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from objcache.errors import NoQuorum
-from objcache.raft.node import LEADERLESS_BATCH, RaftNode
+from objcache.raft.node import LEADER_SILENT, LEADERLESS_BATCH, STOP_POLL, RaftNode
 from tests.helpers.cluster import free_port
 from tests.helpers.raftlog import Log, submit_once_led
 
@@ -97,3 +97,37 @@ async def test_a_batch_waits_for_a_leader_about_an_election_then_fails(tmp_path:
         assert LEADERLESS_BATCH - 0.1 <= took < LEADERLESS_BATCH + 1.0, took
     finally:
         alone.destroy()
+
+
+@pytest.mark.parametrize("role", ["leader", "follower"])
+async def test_a_command_whose_leader_is_gone_fails_then(tmp_path: Path, role: str) -> None:
+    """A member that hears nothing more from the others (its packets dropped: the links
+    look connected) gives up a command waiting for a leader that is gone, as maybe in
+    the log, so that it is sent again (by its transaction id) through a member that
+    reaches a leader: a leader once it steps down (pysyncobj answers its uncommitted
+    commands only when entries at their indexes are applied, after the heal); a follower
+    connected to nobody (pysyncobj keeps its leader) once that leader has been silent for
+    LEADER_SILENT. Each waited its whole timeout holding one of the voter's two batches in
+    flight; a learner's close queued behind two of them answered EIO while every node was
+    reachable (partition seed 5968: a leader cut off by a bridged partition)."""
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    made = [RaftNode(a, addrs, tmp_path / f"m{i}", "k" * 32, Log())
+            for i, a in enumerate(addrs)]
+    try:
+        await submit_once_led(made[0], "one", 30)
+        leader = made[0].status()["leader"]
+        deaf = next(n for n in made if (n.addr == leader) == (role == "leader"))
+        r = deaf._replica
+        r._SyncObj__transport._onMessageReceivedCallback = lambda node, message: None
+        if role == "follower":
+            r._SyncObj__connectedToAnyone = lambda: False  # (so never a candidate)
+        bound = 3.5 if role == "leader" else LEADER_SILENT  # (leaderFallbackTimeout)
+        t0 = time.monotonic()
+        with pytest.raises(NoQuorum) as e:
+            await deaf.submit({"name": "two"}, timeout=8.0)
+        took = time.monotonic() - t0
+        assert e.value.maybe_sent and "leader was gone" in str(e.value), e.value
+        assert took < bound + STOP_POLL + 1.0, took
+    finally:
+        for node in made:
+            node.destroy()
