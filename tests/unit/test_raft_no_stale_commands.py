@@ -127,7 +127,7 @@ async def test_a_command_whose_leader_is_gone_fails_then(tmp_path: Path, role: s
             await deaf.submit({"name": "two"}, timeout=8.0)
         took = time.monotonic() - t0
         assert e.value.maybe_sent and "leader was gone" in str(e.value), e.value
-        assert took < bound + STOP_POLL + 1.0, took
+        assert took < bound + STOP_POLL + 2.0, took  # (at its timeout: 10 s)
     finally:
         for node in made:
             node.destroy()
