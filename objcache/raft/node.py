@@ -59,6 +59,7 @@ from objcache.raft.guard import FrameSeal, GuardedTransport
 log = logging.getLogger(__name__)
 
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
+LEADER = 2  # pysyncobj's _RAFT_STATE.LEADER
 # The command handed to `on_applied` (with "old": the state before) when a snapshot
 # replaced a member's state: what changed is every difference between the two.
 STATE_REPLACED = "raft.state_replaced"
@@ -590,14 +591,28 @@ class RaftNode:
         elif joining:
             mark.write_bytes(MARK_WIPED if wiped else MARK_JOINING)
         self.addr = self_addr
+        conf = make_conf(data_dir, self_addr, compact_entries)
+        conf.onStateChanged = self._role_changed
         self._replica = _Replica(self_addr, [p for p in partners if p != self_addr],
-                                 make_conf(data_dir, self_addr, compact_entries), secret,
-                                 state, on_applied,
+                                 conf, secret, state, on_applied,
                                  joining, wiped, mark if joining else None)
         self.batcher = Batcher(self._send_batch)
         self._stopped = False  # destroyed: calls waiting on it fail at once (`_call`)
         self.handovers = 0  # leadership transfers begun here (a lease ends with each)
         self.handing_over = False  # while one runs, no promise is asked of the voters
+
+    def _role_changed(self, old: int, new: int) -> None:
+        """Leading and stepping down, logged (on pysyncobj's thread): which member led
+        when is otherwise not in the logs, and a partition's failures are read from them
+        (seed 5968's leader could only be inferred)."""
+        if LEADER not in (old, new):
+            return
+        replica = getattr(self, "_replica", None)
+        term = replica._SyncObj__raftCurrentTerm if replica is not None else "?"
+        if new == LEADER:
+            log.info("raft: leading, term %s", term)
+        else:
+            log.info("raft: no longer leading (now %s), term %s", ROLES.get(new, new), term)
 
     @property
     def feed(self) -> Feed:

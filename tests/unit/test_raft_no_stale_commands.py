@@ -5,6 +5,7 @@ network healed). Three real members in this process, on loopback."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -131,3 +132,20 @@ async def test_a_command_whose_leader_is_gone_fails_then(tmp_path: Path, role: s
     finally:
         for node in made:
             node.destroy()
+
+
+async def test_leading_and_stepping_down_are_logged(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Which member led when is read from the logs after a partition campaign's failure
+    (seed 5968's leader could only be inferred)."""
+    addr = f"127.0.0.1:{free_port()}"
+    node = RaftNode(addr, [addr], tmp_path / "m0", "k" * 32, Log())
+    try:
+        with caplog.at_level(logging.INFO, logger="objcache.raft.node"):
+            await submit_once_led(node, "one", 20)
+            node._role_changed(2, 1)  # (as pysyncobj calls it when a leader stands again)
+        said = [r.getMessage() for r in caplog.records if r.name == "objcache.raft.node"]
+        assert f"raft: leading, term {node.term()}" in said
+        assert f"raft: no longer leading (now candidate), term {node.term()}" in said
+    finally:
+        node.destroy()
