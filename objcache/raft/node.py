@@ -106,7 +106,8 @@ ANSWER_GRACE = 2.0  # a command sent to a leader gets this long past its timeout
 # A follower that has heard nothing from its leader for this long (pysyncobj's longest
 # election timeout) has none it can reach: pysyncobj keeps the last leader of a member
 # connected to nobody, and links whose packets are dropped look connected for
-# connectionTimeout (3.5 s).
+# connectionTimeout (3.5 s). Nor can a leader that heard from no majority for this long
+# commit (it steps down at leaderFallbackTimeout, 3.5 s).
 LEADER_SILENT = 1.4
 PROMISE_WAIT = 0.5  # pysyncobj's thread ends its tick within this after a promise, or no
 PROMISE_SLACK = 0.05  # a voter's promise began after ours by a question's flight, about
@@ -364,6 +365,18 @@ class _Replica(FollowerFix, SyncObj):  # type: ignore[misc]
         log_._destroy()
         os.replace(tmp, path)
         self._SyncObj__raftLog = FileJournal(path)  # type: ignore[attr-defined]
+
+    def majority_heard(self, within: float) -> bool:
+        """(Any thread; leading) Whether a majority of the voters, ourselves included,
+        answered us within the last `within` seconds (pysyncobj's own count, which steps
+        a leader down after leaderFallbackTimeout)."""
+        heard = self._SyncObj__lastResponseTime  # type: ignore[attr-defined]
+        try:
+            others = list(self._SyncObj__otherNodes)  # type: ignore[attr-defined]
+        except RuntimeError:  # (changed while we copied it: a membership change)
+            return True
+        since = monotonic() - within
+        return 1 + sum(1 for n in others if heard.get(n, 0.0) > since) > (len(others) + 1) / 2
 
     def _SyncObj__loadDumpFile(self, clearJournal: bool) -> None:
         if self._journal_from_dump_end(clearJournal):
@@ -699,16 +712,18 @@ class RaftNode:
             await trio.sleep(0.05)
 
     def leader_reachable(self) -> bool:
-        """Whether our member has a leader it can send to: itself, or a partner it is
-        connected to. pysyncobj keeps the last leader of a follower that is connected to
-        nobody (it never becomes a candidate), and would hand commands to a connection
-        that is gone."""
+        """Whether our member has a leader that can commit what we send it: itself, while
+        a majority of the voters answered it within LEADER_SILENT, or a partner it is
+        connected to and heard from within LEADER_SILENT. pysyncobj keeps the last
+        leader of a follower that is connected to nobody (it never becomes a candidate),
+        and would hand commands to a connection that is gone; and a leader cut off from
+        the majority takes commands it cannot commit until it steps down, 3.5 s on."""
         st = self._replica.getStatus()
         leader = st.get("leader")
         if leader is None:
             return False
         if str(leader) == self.addr:
-            return True
+            return self._replica.majority_heard(LEADER_SILENT)
         return (st.get(f"{_PARTNER}{leader}") == _CONNECTED
                 and monotonic() - self._replica.heard_leader_at < LEADER_SILENT)
 
