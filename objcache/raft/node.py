@@ -673,9 +673,11 @@ class RaftNode:
                 # member that replaced it instead of waiting out the timeout. A voter the
                 # group removed, turned learner, held a flush's claim for its whole 5 s
                 # and failed the flush: the partition nemesis with learners, seed 4303)
-                # A command handed to a leader that is then gone (we stand for election,
-                # or it went silent) is answered by nobody: pysyncobj fails what it
-                # forwarded only when it learns of another leader. Given up then, as
+                # A command handed to a leader that is then gone (we led, and no
+                # majority answers us; our leader went silent) is answered by nobody:
+                # pysyncobj fails what a follower forwarded only when it stands for
+                # election or learns of another leader, and a leader's uncommitted
+                # commands when entries at their indexes are applied. Given up then, as
                 # maybe in the log: its submitter sends it again (exactly once, by its
                 # transaction id), a learner's through another voter. Two such batches
                 # held a voter cut off by a bridged partition for their whole timeout,
