@@ -682,14 +682,14 @@ class RaftNode:
                 # transaction id), a learner's through another voter. Two such batches
                 # held a voter cut off by a bridged partition for their whole timeout,
                 # and the learner's close queued behind them answered EIO while every
-                # node was reachable (partition seed 5968).
-                led = self.leader_reachable()
+                # node was reachable (partition seed 5968). (It was reachable when sent:
+                # the check above.)
                 while not done.is_set() and not self._stopped:
                     with trio.move_on_at(min(deadline, trio.current_time() + STOP_POLL)):
                         await done.wait()
                     if trio.current_time() >= deadline or done.is_set():
                         break
-                    if led and not self.leader_reachable():
+                    if not self.leader_reachable():
                         e = NoQuorum(f"raft {what}: its leader was gone before it answered")
                         e.maybe_sent = True
                         raise e
